@@ -1,0 +1,70 @@
+"""Parameter-space noise from a seed: the perturbed policy θ̂ = m + σ ⊙ z (algorithms.md §1.6).
+
+Any consumer of a slot (a sampler engine, or the learner drawing θ̂′) regenerates z itself from
+(seed, parameter name), so a version costs each engine one transfer of (m, σ) whatever the number
+of slots. z is drawn per tensor by a CPU generator in fp32, seeded by a stable hash of the seed and
+the name (blake2b; never Python's per-process `hash`), which makes the draw independent of
+parameter order, sharding and process. The clean mean is never recovered by subtracting noise
+(not bit-exact in fp32, feasibility.md §4): callers keep m and rebuild θ̂ from it.
+
+Not here: how σ is learned (algorithms/ivon.py) or which seeds a version uses (exploration.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+
+import torch
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """Stable 63-bit seed for one tensor: blake2b(seed, name). Same in every process and machine."""
+    digest = hashlib.blake2b(f"{int(seed)}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def noise_like(seed: int, name: str, shape: Iterable[int]) -> torch.Tensor:
+    """z ~ N(0, I) of `shape`, fp32 on CPU, determined by (seed, name) only."""
+    gen = torch.Generator(device="cpu").manual_seed(tensor_seed(seed, name))
+    return torch.randn(tuple(shape), generator=gen, dtype=torch.float32)
+
+
+def posterior_sigma(hess: torch.Tensor, ess: float, weight_decay: float) -> torch.Tensor:
+    """σ = 1 / sqrt(λ (h + δ))   (algorithms.md §1.1). Shapes: hess [*] -> [*], fp32."""
+    return torch.rsqrt(ess * (hess.float() + weight_decay))
+
+
+def perturbed(mean: torch.Tensor, sigma: torch.Tensor, seed: int | None, name: str) -> torch.Tensor:
+    """θ̂ = m + σ ⊙ z(seed, name) in fp32; `seed=None` returns a fp32 copy of m (the clean mean)."""
+    assert mean.shape == sigma.shape, f"{name}: mean {tuple(mean.shape)} vs sigma {tuple(sigma.shape)}"
+    theta = mean.detach().float().clone()
+    if seed is not None:
+        theta.addcmul_(sigma.float(), noise_like(seed, name, mean.shape))
+    return theta
+
+
+def perturbed_state(
+    means: Mapping[str, torch.Tensor], sigmas: Mapping[str, torch.Tensor], seed: int | None
+) -> dict[str, torch.Tensor]:
+    """θ̂ for every named tensor: {name: m + σ ⊙ z(seed, name)}. Tensors absent from `sigmas`
+    (buffers, frozen parameters) are copied unperturbed."""
+    return {
+        name: perturbed(m, sigmas[name], seed, name) if name in sigmas else m.detach().float().clone()
+        for name, m in means.items()
+    }
+
+
+def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Cheap, exact checksum of fp32 weights: blake2b over each name and two integer sums of the
+    tensor's fp32 bit patterns (plain, and weighted by position so permutations show). Integer
+    sums (wrapping in int64) are associative, so thread count and reduction order cannot change
+    them; the checksum is identical in every process for bit-identical weights."""
+    h = hashlib.blake2b(digest_size=8)
+    for name, t in sorted(named, key=lambda kv: kv[0]):
+        bits = t.detach().to(torch.float32).contiguous().view(torch.int32).flatten().to(torch.int64)
+        pos = torch.arange(bits.numel(), dtype=torch.int64) % 65521 + 1
+        h.update(name.encode())
+        for value in (int(bits.sum()), int((bits * pos).sum())):
+            h.update(value.to_bytes(16, "little", signed=True))
+    return h.hexdigest()

@@ -1,0 +1,119 @@
+"""Typed, frozen messages that cross role boundaries (driver, samplers, verifiers, learner).
+
+Every message is a frozen dataclass; none is a free-form dict. Arrays travel as numpy (Ray moves
+numpy zero-copy, torch tensors with a pickle copy). Messages that leave a process outside Ray
+(rollout logs, the rollout buffer in checkpoints, remote verifiers) go through `services/codec.py`,
+which stamps them with `SCHEMA_VERSION`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+SCHEMA_VERSION = 1
+
+
+class VerifyStatus(str, enum.Enum):
+    """Outcome of one verification. Only `infra_error` says nothing about the completion."""
+
+    OK = "ok"
+    WRONG = "wrong"
+    MALFORMED = "malformed"
+    TIMEOUT = "timeout"
+    COMPILE_ERROR = "compile_error"
+    RUNTIME_ERROR = "runtime_error"
+    INFRA_ERROR = "infra_error"
+
+
+@dataclass(frozen=True)
+class TaskItem:
+    """One prompt with what is needed to score a completion of it.
+
+    `verifier` names the verifier that scores it (`math`, `countdown`, `code_output`, `code_tests`
+    or a plug-in's name). `answer` is the gold answer (for countdown: the target; for
+    `code_output`: the expected stdout). `solution` is a reference solution (LamPO's ROUGE-L), and
+    `tests` holds test code for code tasks. `numbers` are countdown's given numbers.
+    """
+
+    uid: str
+    prompt: str
+    answer: str
+    verifier: str = "math"
+    solution: str = ""
+    tests: tuple[str, ...] = ()
+    numbers: tuple[int, ...] = ()
+    family: str = ""
+    difficulty: int = 0
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    """A completion to score. `finish_reason` is `stop` (ended with EOS) or `length` (truncated)."""
+
+    item: TaskItem
+    completion: str
+    finish_reason: str = "stop"
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Status, reward and a short human-readable detail. `reward` is NaN for `infra_error`, so an
+    infrastructure failure can never be mistaken for a zero reward."""
+
+    status: VerifyStatus
+    reward: float
+    details: str = ""
+    latency_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one generate call (engine-independent)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 32
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"SamplingParams.temperature: expected > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p: expected in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k: expected >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 1 or self.n < 1:
+            raise ValueError("SamplingParams.max_new_tokens and n: expected >= 1")
+
+
+@dataclass(frozen=True)
+class NoiseSpec:
+    """Which perturbed policy to serve: θ̂ = m + σ ⊙ z(seed). `seed=None` serves the clean mean."""
+
+    posterior_version: int
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion with everything the learner needs to correct for off-policyness.
+
+    `logprobs` are the behaviour log-probs of the sampling distribution (after temperature, top-k,
+    top-p), one per generated token. `weights_checksum` is a cheap checksum of the weights it was
+    sampled with (see `algorithms.param_noise.weights_checksum`).
+    """
+
+    completion_id: str
+    prompt_uid: str
+    engine_id: int
+    seq_no: int
+    policy_version: int
+    slot_seed: int | None
+    weights_checksum: str
+    prompt_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+    text: str
