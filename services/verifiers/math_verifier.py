@@ -1,0 +1,361 @@
+"""Math and countdown verifiers: format rules, then math-verify or exact evaluation.
+
+Format rules, shared by both (feasibility.md addendum: a policy once learnt to emit
+` \\boxed{52}{}{}{` up to the length limit, which an answer-only reward scores as correct):
+- a truncated completion (`finish_reason == "length"`) is `malformed`: a reward needs a
+  well-formed, terminated completion;
+- the answer is the last `\\boxed{...}`; none, unbalanced braces, an empty box, or anything but
+  whitespace after its closing brace is `malformed`.
+
+Math (algorithms.md §6): the gold is parsed once per distinct answer (cached) as
+`\\boxed{gold}` with `LatexExtractionConfig`; `verify(gold, pred)` is called GOLD FIRST (it is
+not symmetric). math-verify's timeouts use SIGALRM, which works only in a process's main thread:
+- `mode="inline"` checks in the calling thread and refuses any other than the main thread (a
+  sync Ray actor or a CLI under `asyncio.run` runs coroutines there);
+- `mode="process"` checks in spawned worker processes (each calls math-verify on its own main
+  thread, with its timeouts) under an outer deadline; a worker past the deadline is killed and
+  respawned, and the result is `timeout`.
+math-verify runs with `raise_on_error=True`, so its own timeout surfaces as `timeout` and any
+other exception as `infra_error` (reward NaN), never a silent 0.
+
+Departure: when the gold is a plain number, the boxed answer must be a number literal too
+(`require_numeric_literal`): math-verify evaluates `\\boxed{23+58}` to 81, so restating the
+question would otherwise earn full reward on arithmetic tasks.
+
+Countdown: the boxed expression is parsed with `ast` (integers, + - * /, parentheses, unary
+minus; anything else is `malformed`), the numbers it uses must be a sub-multiset of the given
+ones (else `wrong`), and it is evaluated exactly with fractions. Its size is bounded by that
+check, so it needs no timeout machinery.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import functools
+import math
+import multiprocessing
+import queue
+import re
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from threepo.services.messages import VerifyRequest, VerifyResult, VerifyStatus
+
+MODES = ("inline", "process")
+
+
+@dataclass(frozen=True)
+class MathVerifierConfig:
+    """Options of `MathVerifier` (passed as keywords through `load_verifier("math", ...)`)."""
+
+    mode: str = "inline"
+    """"inline": math-verify in the calling (main) thread; "process": in spawned workers."""
+    workers: int = 1
+    """Worker processes in process mode."""
+    deadline_s: float = 20.0
+    """Process mode: outer wall-clock limit of one check, after which the worker is killed."""
+    parsing_timeout_s: int = 5
+    """math-verify's own (SIGALRM, whole seconds) limit per parse."""
+    verify_timeout_s: int = 5
+    """math-verify's own (SIGALRM, whole seconds) limit per comparison."""
+    require_numeric_literal: bool = True
+    """When the gold is a number, accept only a number literal (no `23+58`) as the answer."""
+    startup_timeout_s: float = 120.0
+    """Process mode: how long a fresh worker may take to import math-verify."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"MathVerifierConfig.mode: expected one of {MODES}, got {self.mode!r}")
+        if self.workers < 1:
+            raise ValueError(f"MathVerifierConfig.workers: expected >= 1, got {self.workers}")
+        for field in ("deadline_s", "startup_timeout_s", "parsing_timeout_s", "verify_timeout_s"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"MathVerifierConfig.{field}: expected > 0, "
+                                 f"got {getattr(self, field)!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure checks.
+
+_NUMBER = re.compile(r"[+-]?(\d+(\.\d+)?|\.\d+|\\[dt]?frac\{\d+\}\{\d+\}|\d+/\d+)")
+_COUNTDOWN_CHARS = re.compile(r"[0-9+\-*/() ]+")
+
+
+def final_boxed(completion: str) -> tuple[str | None, str]:
+    """The content of the last `\\boxed{...}` and "", or None and why the completion is malformed."""
+    start = completion.rfind("\\boxed{")
+    if start < 0:
+        return None, "no \\boxed{...} answer"
+    depth, end = 0, -1
+    for pos in range(start + len("\\boxed"), len(completion)):
+        depth += {"{": 1, "}": -1}.get(completion[pos], 0)
+        if depth == 0:
+            end = pos
+            break
+    if end < 0:
+        return None, "unclosed \\boxed{"
+    rest = completion[end + 1:]
+    if rest.strip():
+        return None, f"text after the boxed answer: {rest[:20]!r}"
+    content = completion[start + len("\\boxed{"):end].strip()
+    if not content:
+        return None, "empty \\boxed{}"
+    return content, ""
+
+
+def _precheck(request: VerifyRequest) -> tuple[str | None, str]:
+    """The boxed answer, or None and why the completion earns nothing regardless of its answer."""
+    if request.finish_reason == "length":
+        return None, "truncated: the completion hit the length limit without ending"
+    if request.finish_reason != "stop":
+        raise ValueError(f"VerifyRequest.finish_reason: expected 'stop' or 'length', "
+                         f"got {request.finish_reason!r}")
+    return final_boxed(request.completion)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _parse_gold(gold: str, parsing_timeout_s: int) -> list:
+    from math_verify import LatexExtractionConfig, parse
+
+    return parse(f"\\boxed{{{gold}}}", extraction_config=[LatexExtractionConfig()],
+                 parsing_timeout=parsing_timeout_s, raise_on_error=True)
+
+
+def check_math(gold: str, answer: str, parsing_timeout_s: int = 5, verify_timeout_s: int = 5,
+               require_numeric_literal: bool = True) -> tuple[VerifyStatus, str]:
+    """Compare a boxed `answer` with `gold` by math-verify; must run on a main thread."""
+    from math_verify import parse, verify
+    from math_verify.errors import TimeoutException
+
+    try:
+        gold_parsed = _parse_gold(gold, parsing_timeout_s)
+        if not gold_parsed:
+            return VerifyStatus.INFRA_ERROR, f"gold answer {gold!r} does not parse"
+        pred_parsed = parse(f"\\boxed{{{answer}}}", parsing_timeout=parsing_timeout_s,
+                            raise_on_error=True)
+        if not pred_parsed:
+            return VerifyStatus.MALFORMED, f"boxed answer {answer[:40]!r} does not parse"
+        if (require_numeric_literal and _NUMBER.fullmatch(gold.strip())
+                and not _NUMBER.fullmatch(answer)):
+            return VerifyStatus.WRONG, f"answer {answer[:40]!r} is not a number literal"
+        correct = verify(gold_parsed, pred_parsed, timeout_seconds=verify_timeout_s,
+                         raise_on_error=True)
+    except TimeoutException as exc:  # a BaseException: `except Exception` would miss it
+        return VerifyStatus.TIMEOUT, f"math-verify: {str(exc)[:80]}"
+    except Exception as exc:  # the checker failed, which says nothing about the completion
+        return VerifyStatus.INFRA_ERROR, f"math-verify raised {type(exc).__name__}: {str(exc)[:120]}"
+    return (VerifyStatus.OK, "") if correct else (VerifyStatus.WRONG, f"{answer[:40]!r} != {gold!r}")
+
+
+def _count_numbers(node: ast.AST, used: list[int]) -> str:
+    """Collects the integer literals of `node` into `used`; returns why it is not allowed, or ""."""
+    match node:
+        case ast.Constant(value=int() as value) if not isinstance(value, bool):
+            used.append(value)
+            return ""
+        case ast.BinOp(op=ast.Add() | ast.Sub() | ast.Mult() | ast.Div()):
+            return _count_numbers(node.left, used) or _count_numbers(node.right, used)
+        case ast.UnaryOp(op=ast.USub()):
+            return _count_numbers(node.operand, used)
+    return f"{type(node).__name__} is not allowed (only numbers, + - * / and parentheses)"
+
+
+def _evaluate(node: ast.AST) -> Fraction:
+    match node:
+        case ast.Constant(value=value):
+            return Fraction(value)
+        case ast.UnaryOp(operand=operand):
+            return -_evaluate(operand)
+        case ast.BinOp(left=left, op=op, right=right):
+            a, b = _evaluate(left), _evaluate(right)
+            match op:
+                case ast.Add():
+                    return a + b
+                case ast.Sub():
+                    return a - b
+                case ast.Mult():
+                    return a * b
+            return a / b
+    raise AssertionError(f"unchecked node {type(node).__name__}")
+
+
+def check_countdown(expression: str, numbers: tuple[int, ...], target: int,
+                    max_expression_chars: int = 200) -> tuple[VerifyStatus, str]:
+    """Whether `expression` reaches `target` using each of `numbers` at most once."""
+    if len(expression) > max_expression_chars:
+        return VerifyStatus.MALFORMED, f"expression longer than {max_expression_chars} chars"
+    if not _COUNTDOWN_CHARS.fullmatch(expression):
+        return VerifyStatus.MALFORMED, "only digits, + - * /, parentheses and spaces are allowed"
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except SyntaxError as exc:
+        return VerifyStatus.MALFORMED, f"not an expression: {exc.msg}"
+    used: list[int] = []
+    why = _count_numbers(tree.body, used)
+    if why:
+        return VerifyStatus.MALFORMED, why
+    extra = Counter(used) - Counter(numbers)
+    if extra:
+        return VerifyStatus.WRONG, f"uses {sorted(extra.elements())} beyond the given {list(numbers)}"
+    try:
+        value = _evaluate(tree.body)
+    except ZeroDivisionError:
+        return VerifyStatus.WRONG, "division by zero"
+    if value != target:
+        return VerifyStatus.WRONG, f"evaluates to {value}, not {target}"
+    return VerifyStatus.OK, ""
+
+
+def _result(status: VerifyStatus, details: str, started: float) -> VerifyResult:
+    reward = {VerifyStatus.OK: 1.0, VerifyStatus.INFRA_ERROR: math.nan}.get(status, 0.0)
+    return VerifyResult(status=status, reward=reward, details=details,
+                        latency_s=time.perf_counter() - started)
+
+
+# ---------------------------------------------------------------------------------------------
+# Process mode: a fixed set of spawned workers, each used by one check at a time.
+
+
+def _worker_main(conn: Any) -> None:
+    import math_verify  # noqa: F401  (import before reporting ready, so deadlines exclude it)
+
+    conn.send("ready")
+    while True:
+        try:
+            args = conn.recv()
+        except EOFError:
+            return
+        conn.send(check_math(*args))
+
+
+@dataclass
+class _Worker:
+    process: Any
+    conn: Any
+    ready: bool = False
+
+
+class _WorkerPool:
+    """Spawned math-verify workers; one past its deadline is killed and replaced."""
+
+    def __init__(self, workers: int, deadline_s: float, startup_timeout_s: float) -> None:
+        self._ctx = multiprocessing.get_context("spawn")  # never fork a CUDA/Ray process
+        self._deadline_s = deadline_s
+        self._startup_timeout_s = startup_timeout_s
+        self._idle: queue.Queue[_Worker] = queue.Queue()
+        self._live: list[_Worker] = []
+        self._lock = threading.Lock()
+        for _ in range(workers):
+            self._idle.put(self._spawn())
+
+    def _spawn(self) -> _Worker:
+        parent, child = self._ctx.Pipe()
+        process = self._ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        process.start()
+        child.close()
+        worker = _Worker(process, parent)
+        with self._lock:
+            self._live.append(worker)
+        return worker
+
+    def _kill(self, worker: _Worker) -> None:
+        worker.process.kill()
+        worker.process.join()
+        worker.conn.close()
+        with self._lock:
+            self._live.remove(worker)
+
+    def call(self, args: tuple) -> tuple[VerifyStatus, str]:
+        """Runs `check_math(*args)` in a worker; blocks, so call it from a thread."""
+        worker = self._idle.get()
+        conn = worker.conn
+        try:
+            if not worker.ready:  # the deadline starts once math-verify is imported
+                if not conn.poll(self._startup_timeout_s) or conn.recv() != "ready":
+                    raise EOFError(f"worker not ready within {self._startup_timeout_s}s")
+                worker.ready = True
+            conn.send(args)
+            if conn.poll(self._deadline_s):
+                result = conn.recv()
+                self._idle.put(worker)
+                return result
+            outcome = (VerifyStatus.TIMEOUT,
+                       f"check exceeded the {self._deadline_s}s deadline; worker respawned")
+        except (EOFError, OSError) as exc:
+            outcome = (VerifyStatus.INFRA_ERROR, f"verifier worker failed: {exc!r}")
+        self._kill(worker)
+        self._idle.put(self._spawn())
+        return outcome
+
+    def close(self) -> None:
+        with self._lock:
+            live = list(self._live)
+        for worker in live:
+            self._kill(worker)
+
+
+class MathVerifier:
+    """`math`: boxed answer compared with the gold by math-verify (see the module docstring)."""
+
+    name = "math"
+
+    def __init__(self, **options: Any) -> None:
+        self.config = MathVerifierConfig(**options)
+        cfg = self.config
+        self._pool = (_WorkerPool(cfg.workers, cfg.deadline_s, cfg.startup_timeout_s)
+                      if cfg.mode == "process" else None)
+
+    async def verify(self, request: VerifyRequest) -> VerifyResult:
+        started = time.perf_counter()
+        answer, why = _precheck(request)
+        if answer is None:
+            return _result(VerifyStatus.MALFORMED, why, started)
+        cfg = self.config
+        args = (request.item.answer, answer, cfg.parsing_timeout_s, cfg.verify_timeout_s,
+                cfg.require_numeric_literal)
+        if self._pool is not None:
+            status, details = await asyncio.to_thread(self._pool.call, args)
+        elif threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(
+                "MathVerifier(mode='inline') must run on the main thread: math-verify's timeouts "
+                "use SIGALRM. Use mode='process' in threaded or async actors.")
+        else:
+            status, details = check_math(*args)
+        return _result(status, details, started)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+
+class CountdownVerifier:
+    """`countdown`: the boxed expression must reach `item.answer` from `item.numbers`."""
+
+    name = "countdown"
+
+    def __init__(self, max_expression_chars: int = 200) -> None:
+        if max_expression_chars < 1:
+            raise ValueError(f"CountdownVerifier.max_expression_chars: expected >= 1, "
+                             f"got {max_expression_chars}")
+        self.max_expression_chars = max_expression_chars
+
+    async def verify(self, request: VerifyRequest) -> VerifyResult:
+        started = time.perf_counter()
+        item = request.item
+        if not item.numbers:
+            raise ValueError(f"TaskItem.numbers of {item.uid!r}: expected the given numbers "
+                             "of a countdown item, got none")
+        expression, why = _precheck(request)
+        if expression is None:
+            return _result(VerifyStatus.MALFORMED, why, started)
+        status, details = check_countdown(expression, item.numbers, int(item.answer),
+                                          self.max_expression_chars)
+        return _result(status, details, started)
+
+    def close(self) -> None:
+        pass
