@@ -26,6 +26,9 @@ ENTRY_POINT_GROUP = "threepo.verifiers"
 BUILTIN: dict[str, str] = {
     "math": "threepo.services.verifiers.math_verifier:MathVerifier",
     "countdown": "threepo.services.verifiers.math_verifier:CountdownVerifier",
+    "code_output": "threepo.services.verifiers.code_verifiers:code_output",
+    "code_tests": "threepo.services.verifiers.code_verifiers:code_tests",
+    "remote_sandbox": "threepo.services.verifiers.remote:RemoteSandboxVerifier",
 }
 
 

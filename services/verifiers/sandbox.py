@@ -148,13 +148,15 @@ def _set_limits(cfg: SandboxConfig) -> None:
 
 
 async def _read_capped(stream: asyncio.StreamReader, cap: int, on_overflow) -> tuple[bytes, bool]:
-    """Read until EOF keeping at most `cap` bytes; call `on_overflow` and stop reading past it."""
+    """Read until EOF keeping at most `cap` bytes; past the cap, call `on_overflow` (a kill)."""
     buf = bytearray()
     while chunk := await stream.read(1 << 16):
         room = cap - len(buf)
         buf += chunk[:room]
         if len(chunk) > room:
             on_overflow()
+            while await stream.read(1 << 16):  # discard until the killed group closes the pipe
+                pass
             return bytes(buf), True
     return bytes(buf), False
 
