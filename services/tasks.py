@@ -118,7 +118,8 @@ def _arith_steps(a: int, op: str, b: int) -> str:
         return f"{a}{op}{b}={_apply(a, op, b)}"
     if op == "*":
         return f"{a}*{b}={a}*{tens}+{a}*{units}={a * tens}+{a * units}={a * b}"
-    return f"{a}{op}{b}={a}{op}{tens}{op}{units}={_apply(a, op, tens)}{op}{units}={_apply(a, op, b)}"
+    partial = _apply(a, op, tens)
+    return f"{a}{op}{b}={a}{op}{tens}{op}{units}={partial}{op}{units}={_apply(a, op, b)}"
 
 
 def _apply(a: int, op: str, b: int) -> int:

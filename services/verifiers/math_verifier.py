@@ -73,10 +73,12 @@ class MathVerifierConfig:
             raise ValueError(f"MathVerifierConfig.mode: expected one of {MODES}, got {self.mode!r}")
         if self.workers < 1:
             raise ValueError(f"MathVerifierConfig.workers: expected >= 1, got {self.workers}")
-        for field in ("deadline_s", "startup_timeout_s", "parsing_timeout_s", "verify_timeout_s"):
-            if not getattr(self, field) > 0:
-                raise ValueError(f"MathVerifierConfig.{field}: expected > 0, "
-                                 f"got {getattr(self, field)!r}")
+        for field, value in (("deadline_s", self.deadline_s),
+                             ("startup_timeout_s", self.startup_timeout_s),
+                             ("parsing_timeout_s", self.parsing_timeout_s),
+                             ("verify_timeout_s", self.verify_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"MathVerifierConfig.{field}: expected > 0, got {value!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,7 +89,7 @@ _COUNTDOWN_CHARS = re.compile(r"[0-9+\-*/() ]+")
 
 
 def final_boxed(completion: str) -> tuple[str | None, str]:
-    """The content of the last `\\boxed{...}` and "", or None and why the completion is malformed."""
+    """The content of the last `\\boxed{...}` and "", or None and why it is malformed."""
     start = completion.rfind("\\boxed{")
     if start < 0:
         return None, "no \\boxed{...} answer"
@@ -148,8 +150,10 @@ def check_math(gold: str, answer: str, parsing_timeout_s: int = 5, verify_timeou
     except TimeoutException as exc:  # a BaseException: `except Exception` would miss it
         return VerifyStatus.TIMEOUT, f"math-verify: {str(exc)[:80]}"
     except Exception as exc:  # the checker failed, which says nothing about the completion
-        return VerifyStatus.INFRA_ERROR, f"math-verify raised {type(exc).__name__}: {str(exc)[:120]}"
-    return (VerifyStatus.OK, "") if correct else (VerifyStatus.WRONG, f"{answer[:40]!r} != {gold!r}")
+        return VerifyStatus.INFRA_ERROR, f"math-verify raised {type(exc).__name__}: {exc}"[:200]
+    if not correct:
+        return VerifyStatus.WRONG, f"{answer[:40]!r} != {gold!r}"
+    return VerifyStatus.OK, ""
 
 
 def _count_numbers(node: ast.AST, used: list[int]) -> str:
@@ -201,7 +205,7 @@ def check_countdown(expression: str, numbers: tuple[int, ...], target: int,
         return VerifyStatus.MALFORMED, why
     extra = Counter(used) - Counter(numbers)
     if extra:
-        return VerifyStatus.WRONG, f"uses {sorted(extra.elements())} beyond the given {list(numbers)}"
+        return VerifyStatus.WRONG, f"uses {sorted(extra.elements())} beyond {list(numbers)}"
     try:
         value = _evaluate(tree.body)
     except ZeroDivisionError:
@@ -233,7 +237,7 @@ def _worker_main(conn: Any) -> None:
         conn.send(check_math(*args))
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two workers are never equal
 class _Worker:
     process: Any
     conn: Any
@@ -267,8 +271,9 @@ class _WorkerPool:
         worker.process.kill()
         worker.process.join()
         worker.conn.close()
-        with self._lock:
-            self._live.remove(worker)
+        with self._lock:  # close() may have killed it already
+            if worker in self._live:
+                self._live.remove(worker)
 
     def call(self, args: tuple) -> tuple[VerifyStatus, str]:
         """Runs `check_math(*args)` in a worker; blocks, so call it from a thread."""

@@ -120,6 +120,11 @@ def test_process_mode_kills_a_hanging_check_and_recovers():
                 VerifyRequest(item("81"), f"\\boxed{{{x}}}")) for x in (80, 81, 82)))
 
         assert [r.status for r in asyncio.run(many())] == [WRONG, OK, WRONG]
+        # A worker that dies mid-service is the checker's failure: infra_error, then a new worker.
+        verifier._pool._live[0].process.kill()
+        died = score(verifier, item("81"), "\\boxed{81}")
+        assert died.status is VerifyStatus.INFRA_ERROR and math.isnan(died.reward), died
+        assert score(verifier, item("81"), "\\boxed{81}").status is OK
     finally:
         verifier.close()
 
