@@ -305,7 +305,11 @@ class _WorkerPool:
 
 
 class MathVerifier:
-    """`math`: boxed answer compared with the gold by math-verify (see the module docstring)."""
+    """`math`: boxed answer compared with the gold by math-verify (see the module docstring).
+
+    Process mode spawns its workers in the constructor; a script that builds one must do so under
+    `if __name__ == "__main__":` (spawn re-imports the main module). Call `close()` to stop them.
+    """
 
     name = "math"
 
