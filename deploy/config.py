@@ -1,0 +1,185 @@
+"""The run configuration: one frozen dataclass per component, composed here into `RunConfig`.
+
+Each component declares its own `XConfig` (with a docstring per field) next to its code; this file
+only composes them. A run's config is built from the defaults, then a recipe file (TOML, tables
+named like the sections: `[sampler]`, `[train]`, ...; `deploy/configs/*.toml` ship with the package),
+then command-line overrides `section.field=value`. Values are parsed as TOML (`3`, `0.5`, `true`,
+`"text"`, `[1, 2]`; a bare word is a string). An unknown key or a value of the wrong type is rejected
+with a message naming the key and what was expected; range checks live in each config's
+`__post_init__`. The resolved config is written into every run directory (`config.toml`), and that
+file is itself a valid recipe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from threepo.services.bootstrap import BootstrapConfig
+from threepo.services.engines.base import SamplerConfig
+from threepo.services.evaluation import EvalConfig
+from threepo.services.modeling import ModelConfig
+from threepo.services.tasks import TaskConfig
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where prompts come from: the synthetic task (`[task]`) or a dataset file."""
+
+    path: str = ""
+    """A JSONL or Parquet file with `prompt`, `answer` (and optional `solution`, `tests`, `verifier`);
+    '' uses the synthetic task of `[task]`."""
+    heldout_path: str = ""
+    """Optional held-out file for evaluation when `path` is set ('' = evaluate on `path`)."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one `threepo` command needs."""
+
+    name: str = "threepo"
+    """Run name; the run directory is `<runs_dir>/<name>-<command>-<timestamp>`."""
+    runs_dir: str = "runs"
+    """Parent directory of run directories."""
+    seed: int = 0
+    """Global seed (data order, plan seeds, sampling)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+class ConfigError(ValueError):
+    """A recipe or override that does not fit the schema; the message names the key."""
+
+
+def load_config(recipe: str | None = None, overrides: typing.Sequence[str] = (),
+                schema: type = RunConfig) -> Any:
+    """Defaults <- recipe file <- `section.field=value` overrides, validated into `schema`."""
+    tree: dict[str, Any] = {}
+    if recipe:
+        path = resolve_recipe(recipe)
+        try:
+            with open(path, "rb") as f:
+                tree = tomllib.load(f)
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r}: expected section.field=value")
+        _set_path(tree, key.strip().split("."), _parse_value(raw.strip()))
+    return build(schema, tree, prefix="")
+
+
+def resolve_recipe(recipe: str) -> str:
+    """A path to a TOML file, or the name of a shipped recipe in deploy/configs (without .toml)."""
+    if os.path.isfile(recipe):
+        return recipe
+    shipped = os.path.join(CONFIG_DIR, recipe if recipe.endswith(".toml") else recipe + ".toml")
+    if os.path.isfile(shipped):
+        return shipped
+    names = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".toml"))
+    raise ConfigError(f"recipe {recipe!r}: no such file, and not a shipped recipe (one of {names})")
+
+
+def build(cls: type, tree: dict[str, Any], prefix: str) -> Any:
+    """Instantiate dataclass `cls` from a nested dict, checking every key and value type."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(tree) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown config key {prefix + unknown[0]!r}: expected one of "
+                          f"{[prefix + n for n in fields]}")
+    kwargs = {}
+    for name, value in tree.items():
+        kind = hints[name]
+        if dataclasses.is_dataclass(kind):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{prefix + name}: expected a table of {kind.__name__} fields")
+            kwargs[name] = build(kind, value, prefix=f"{prefix}{name}.")
+        else:
+            kwargs[name] = _check_type(f"{prefix}{name}", value, kind)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(str(err)) from None
+
+
+def _check_type(key: str, value: Any, kind: Any) -> Any:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: expected one of {list(args)}, got {value!r}")
+        return value
+    if origin in (types.UnionType, typing.Union):
+        for option in args:
+            try:
+                return _check_type(key, value, option)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: expected {kind}, got {value!r}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        inner = args[0] if args else Any
+        return tuple(_check_type(f"{key}[{i}]", v, inner) for i, v in enumerate(value))
+    if kind is Any or kind is type(None) and value is None:
+        return value
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind in (int, float) and isinstance(value, bool) or not isinstance(value, kind):
+        raise ConfigError(f"{key}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+    return value
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw  # a bare word: a string
+
+
+def _set_path(tree: dict[str, Any], keys: list[str], value: Any) -> None:
+    for k in keys[:-1]:
+        node = tree.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{'.'.join(keys)}: {k!r} is a value, not a section")
+        tree = node
+    tree[keys[-1]] = value
+
+
+def to_toml(cfg: Any) -> str:
+    """The resolved config as TOML (scalars at the top, one table per section)."""
+    top, tables = [], []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            body = "\n".join(f"{g.name} = {_toml_value(getattr(value, g.name))}"
+                             for g in dataclasses.fields(value))
+            tables.append(f"[{f.name}]\n{body}\n")
+        else:
+            top.append(f"{f.name} = {_toml_value(value)}")
+    return "\n".join(top) + "\n\n" + "\n".join(tables)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value) if value == value and abs(value) != float("inf") else (
+            "nan" if value != value else ("inf" if value > 0 else "-inf"))
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if value is None:
+        raise ConfigError("None cannot be written to TOML: give the field a non-None default")
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,0 +1,111 @@
+"""Tiny Qwen2-family causal LMs built from a config (no download), and loading any local HF checkpoint.
+
+`dense` is a Qwen2 model (the embedded default, about 0.5M parameters); `moe` is a Qwen2-MoE model
+of the same family with fused expert tensors (`mlp.experts.gate_up_proj` [E, 2I, H],
+`mlp.experts.down_proj` [E, H, I]), for VP2O. Both load in transformers, vLLM and SGLang from the
+saved directory (safetensors + config + tokenizer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a model built from scratch (ignored when `path` names a checkpoint)."""
+
+    path: str = ""
+    """A local HF checkpoint directory to load instead of building/bootstrapping one ('' = build)."""
+    kind: Literal["dense", "moe"] = "dense"
+    """`dense` (Qwen2) or `moe` (Qwen2-MoE, fused experts; for VP2O)."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    num_layers: int = 2
+    """Number of decoder layers."""
+    num_heads: int = 4
+    """Attention heads."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention)."""
+    intermediate_size: int = 512
+    """MLP width (dense) or the shared expert's width (moe)."""
+    num_experts: int = 8
+    """Experts per MoE layer (moe only)."""
+    experts_per_token: int = 2
+    """Router top-k (moe only)."""
+    expert_intermediate_size: int = 128
+    """Width of each expert's MLP (moe only)."""
+    max_positions: int = 256
+    """Longest prompt + completion the model handles."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights dtype of the served/trained model (IVON state is fp32 regardless)."""
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model.hidden_size={self.hidden_size}: expected a multiple of "
+                             f"model.num_heads={self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("model.num_heads: expected a multiple of model.num_kv_heads")
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError("model.experts_per_token: expected in [1, model.num_experts]")
+
+
+def build_model(cfg: ModelConfig, *, vocab_size: int, pad_id: int, eos_id: int,
+                seed: int = 0) -> PreTrainedModel:
+    """A freshly initialised model of the configured architecture (deterministic for a seed)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2MoeConfig
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_positions, tie_word_embeddings=True,
+        pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=eos_id,
+    )
+    if cfg.kind == "dense":
+        hf_cfg = Qwen2Config(intermediate_size=cfg.intermediate_size, **common)
+    else:
+        hf_cfg = Qwen2MoeConfig(
+            intermediate_size=cfg.intermediate_size, shared_expert_intermediate_size=cfg.intermediate_size,
+            moe_intermediate_size=cfg.expert_intermediate_size, num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.experts_per_token, decoder_sparse_step=1, norm_topk_prob=True,
+            output_router_logits=False, **common,
+        )
+    torch.manual_seed(seed)  # transformers' init draws from the global RNG; fix it for reproducibility
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=getattr(torch, cfg.dtype))
+    if cfg.kind == "moe":
+        # grouped_mm is the default; it and eager are both fast on CPU (batched_mm is not)
+        model.set_experts_implementation("eager")
+    return model
+
+
+def load_model(path: str, *, dtype: str = "float32") -> PreTrainedModel:
+    """Load a local HF checkpoint (safetensors) offline; a missing directory is a clear error."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"model.path={path!r}: expected a HF checkpoint directory with config.json")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), local_files_only=True)
+    if getattr(model.config, "num_experts", None):
+        model.set_experts_implementation("eager")
+    return model
+
+
+def load_tokenizer(path: str):
+    """The tokenizer saved with a checkpoint (AutoTokenizer, offline)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def trainable_named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) for every trainable parameter, tied weights once, in module order."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]

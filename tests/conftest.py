@@ -1,0 +1,46 @@
+"""Session-wide fixtures: tiny models built once per run, and one local Ray cluster per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _save_tiny(directory, kind: str) -> str:
+    from threepo.services.modeling import ModelConfig, build_model
+    from threepo.services.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    cfg = ModelConfig(kind=kind, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      intermediate_size=128, num_experts=4, experts_per_token=2, expert_intermediate_size=32)
+    model = build_model(cfg, vocab_size=72, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, seed=0)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_dense_path(tmp_path_factory) -> str:
+    """A randomly initialised tiny Qwen2 checkpoint with the char tokenizer (no training)."""
+    return _save_tiny(tmp_path_factory.mktemp("tiny-dense"), "dense")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_path(tmp_path_factory) -> str:
+    """A randomly initialised tiny Qwen2-MoE checkpoint (fused experts)."""
+    return _save_tiny(tmp_path_factory.mktemp("tiny-moe"), "moe")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray cluster for the whole test session (init/shutdown costs ~4.5 s)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}})
+    yield ray
+    ray.shutdown()
