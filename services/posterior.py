@@ -1,0 +1,234 @@
+"""The posterior server: published posterior versions, the exploration plan of each, and how long
+each version stays available (architecture.md role 1; algorithms.md §1.6).
+
+The learner owns the training state and publishes (m, σ) in fp32 as a new version; the server keeps
+a read-only copy, makes that version's plan (`algorithms.exploration.make_plan`) and hands every
+engine (m, σ) once per version — one transfer whatever the number of slots, since engines
+regenerate the noise from the plan's seeds. A version stays available while rollouts sampled from it
+are in flight (reference counts) or while it is among the newest `keep_versions`; older ones are
+dropped. `expected_checksum` is the checksum an engine must report after serving a slot, so the
+driver can reject completions sampled from the wrong weights.
+
+Not here: IVON state and steps (the learner), scheduling slots on engines (the driver), Ray.
+Departures: we publish σ rather than (h, λ, δ) — σ = 1/sqrt(λ(h + δ)) is computed once by the
+learner (`param_noise.posterior_sigma`), so engines need no IVON hyperparameters.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from threepo.algorithms import param_noise
+from threepo.algorithms.exploration import KINDS, ExplorationPlan, Slot, make_plan
+from threepo.services.messages import PublishedVersion
+
+
+@dataclass(frozen=True)
+class PosteriorConfig:
+    """How the posterior server plans and keeps versions."""
+
+    kind: str = "c3po"
+    """Exploration plan of every version: "grpo", "b3po", "m3po" or "c3po" (exploration.py)."""
+    group_size: int = 8
+    """G: rollouts per advantage group (effective rollouts per prompt)."""
+    n_slots: int = 4
+    """Perturbation slots per version: 1 for grpo/b3po, M for m3po, N for c3po."""
+    equal_compute: bool = True
+    """M3PO only when False: G rollouts per slot instead of G/M (algorithms.md §2.3)."""
+    base_seed: int = 0
+    """Root of every plan seed (slot and gradient seeds are hashed from it and the version)."""
+    keep_versions: int = 2
+    """Newest versions kept even when nothing references them; older ones live only while referenced."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"posterior.kind: expected one of {KINDS}, got {self.kind!r}")
+        for name in ("group_size", "n_slots", "keep_versions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"posterior.{name}: expected >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class _Version:
+    mean: dict[str, np.ndarray]
+    sigma: dict[str, np.ndarray] | None
+    plan: ExplorationPlan
+    learner_step: int
+    reason: str
+
+
+def _frozen_fp32(arrays: Mapping[str, np.ndarray], what: str) -> dict[str, np.ndarray]:
+    out = {}
+    for name, value in arrays.items():
+        array = np.array(value, dtype=np.float32, copy=True)
+        array.setflags(write=False)  # callers share these arrays: nobody may change a published version
+        out[name] = array
+    if not out:
+        raise ValueError(f"{what}: expected at least one named array, got none")
+    return out
+
+
+class PosteriorServer:
+    """Holds published posterior versions and their plans; see the module docstring."""
+
+    def __init__(self, cfg: PosteriorConfig, state: dict | None = None):
+        self.cfg = cfg
+        self._versions: dict[int, _Version] = {}
+        self._refs: dict[int, int] = {}
+        self._checksums: dict[tuple[int, int | None], str] = {}
+        self._current = -1
+        if state is not None:
+            self._load(state)
+
+    # --- publishing and reading versions ---------------------------------------------------------
+
+    def publish(self, pv: PublishedVersion) -> ExplorationPlan:
+        """Store version `pv.version` (strictly newer than the current one) and return its plan."""
+        if pv.version <= self._current:
+            raise ValueError(f"PublishedVersion.version: expected > current version {self._current}, "
+                             f"got {pv.version}")
+        mean = _frozen_fp32(pv.mean, f"version {pv.version}: mean")
+        sigma = None if pv.sigma is None else _frozen_fp32(pv.sigma, f"version {pv.version}: sigma")
+        for name, s in (sigma or {}).items():
+            if name not in mean or s.shape != mean[name].shape:
+                got = mean[name].shape if name in mean else "absent"
+                raise ValueError(f"version {pv.version}: sigma[{name!r}] has shape {s.shape}, "
+                                 f"expected the mean's shape ({got})")
+        cfg = self.cfg
+        plan = make_plan(cfg.kind, version=pv.version, base_seed=cfg.base_seed, group_size=cfg.group_size,
+                         n_slots=cfg.n_slots, equal_compute=cfg.equal_compute)
+        if sigma is None and cfg.kind != "grpo":
+            raise ValueError(f"version {pv.version}: sigma is None, but the {cfg.kind} plan has seeded "
+                             "slots (publish σ, or use kind='grpo')")
+        self._versions[pv.version] = _Version(mean, sigma, plan, pv.learner_step, pv.reason)
+        self._refs.setdefault(pv.version, 0)
+        self._current = pv.version
+        self._evict()
+        return plan
+
+    def current_version(self) -> int:
+        """The newest published version."""
+        if self._current < 0:
+            raise LookupError("no posterior version has been published yet")
+        return self._current
+
+    def plan(self, version: int) -> ExplorationPlan:
+        """Slots, seeds and grouping of `version`."""
+        return self._get(version).plan
+
+    def learner_step(self, version: int) -> int:
+        """Learner step at which `version` was published (staleness is measured from it)."""
+        return self._get(version).learner_step
+
+    def weights(self, version: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+        """(mean, σ) of `version`, read-only fp32 arrays: what each engine pulls once per version."""
+        entry = self._get(version)
+        return entry.mean, entry.sigma
+
+    def bytes_of(self, version: int) -> int:
+        """Bytes of mean + σ: what one engine receives per version, whatever the number of slots."""
+        entry = self._get(version)
+        return sum(a.nbytes for part in (entry.mean, entry.sigma or {}) for a in part.values())
+
+    def expected_checksum(self, version: int, seed: int | None) -> str:
+        """weights_checksum of θ̂ = m + σ ⊙ z(seed) of `version`: what an engine's serve() returns."""
+        key = (version, seed)
+        if key not in self._checksums:
+            entry = self._get(version)
+            if seed is not None and entry.sigma is None:
+                raise ValueError(f"version {version} has no σ, so seed {seed} cannot be served")
+            with warnings.catch_warnings():  # the arrays are read-only; perturbed_state only reads them
+                warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+                mean = {n: torch.from_numpy(a) for n, a in entry.mean.items()}
+                sigma = {n: torch.from_numpy(a) for n, a in (entry.sigma or {}).items()}
+            theta = param_noise.perturbed_state(mean, sigma, seed)
+            self._checksums[key] = param_noise.weights_checksum(theta.items())
+        return self._checksums[key]
+
+    # --- lifetime ---------------------------------------------------------------------------------
+
+    def acquire(self, version: int, n: int = 1) -> None:
+        """Keep `version` available for `n` more in-flight rollouts (or requests)."""
+        self._get(version)
+        if n < 1:
+            raise ValueError(f"acquire n: expected >= 1, got {n}")
+        self._refs[version] += n
+
+    def release(self, version: int, n: int = 1) -> None:
+        """Drop `n` references to `version`; an old version without references is dropped."""
+        self._get(version)
+        if not 1 <= n <= self._refs[version]:
+            raise ValueError(f"release n: expected 1..{self._refs[version]} (the references version "
+                             f"{version} holds), got {n}")
+        self._refs[version] -= n
+        self._evict()
+
+    def refcount(self, version: int) -> int:
+        """References `version` holds now."""
+        self._get(version)
+        return self._refs[version]
+
+    def versions(self) -> list[int]:
+        """Versions available now, oldest first."""
+        return sorted(self._versions)
+
+    def _evict(self) -> None:
+        keep = set(sorted(self._versions)[-self.cfg.keep_versions:]) | {self._current}
+        for version in [v for v in self._versions if v not in keep and self._refs[v] == 0]:
+            del self._versions[version], self._refs[version]
+            self._checksums = {k: c for k, c in self._checksums.items() if k[0] != version}
+
+    def _get(self, version: int) -> _Version:
+        if version not in self._versions:
+            raise KeyError(f"posterior version {version} is not available (dropped or never published); "
+                           f"available: {sorted(self._versions)}")
+        return self._versions[version]
+
+    # --- checkpoint -------------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        """Everything to restore this server: numpy arrays and plain values only."""
+        return {
+            "config": asdict(self.cfg),
+            "current": self._current,
+            "versions": [
+                {"version": v, "mean": e.mean, "sigma": e.sigma, "learner_step": e.learner_step,
+                 "reason": e.reason, "refcount": self._refs[v], "plan": _plan_state(e.plan)}
+                for v, e in sorted(self._versions.items())
+            ],
+        }
+
+    @classmethod
+    def from_state(cls, state: dict, cfg: PosteriorConfig | None = None) -> PosteriorServer:
+        """A server restored from `state()`; `cfg` (default: the saved one) plans future versions."""
+        return cls(cfg or PosteriorConfig(**state["config"]), state=state)
+
+    def _load(self, state: dict) -> None:
+        for saved in state["versions"]:
+            # a restored plan is the saved one, not re-derived: in-flight rollouts keep their seeds
+            # even when the config of future versions changed
+            sigma = saved["sigma"]
+            self._versions[saved["version"]] = _Version(
+                _frozen_fp32(saved["mean"], "state mean"),
+                None if sigma is None else _frozen_fp32(sigma, "state sigma"),
+                _plan_from_state(saved["plan"]), saved["learner_step"], saved["reason"])
+            self._refs[saved["version"]] = saved["refcount"]
+        self._current = state["current"]
+        if self._versions and self._current not in self._versions:
+            raise ValueError(f"state: current version {self._current} is not among the saved versions")
+
+
+def _plan_state(plan: ExplorationPlan) -> dict:
+    out = asdict(plan)
+    out["slots"] = [[s["index"], s["seed"]] for s in out["slots"]]
+    return out
+
+
+def _plan_from_state(saved: dict) -> ExplorationPlan:
+    slots = tuple(Slot(int(i), None if s is None else int(s)) for i, s in saved["slots"])
+    return ExplorationPlan(**{**saved, "slots": slots})

@@ -1,0 +1,155 @@
+"""PosteriorServer: plans per kind, strictly increasing versions, refcounted lifetime, engine checksums,
+checkpoint round trip, per-engine transfer size independent of the number of slots."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from threepo.services.engines.base import SamplerConfig
+from threepo.services.engines.hf import HFEngine
+from threepo.services.messages import NoiseSpec, PublishedVersion
+from threepo.services.posterior import PosteriorConfig, PosteriorServer
+
+
+def _pv(version, scale=0.01, sigma=True, shapes=None):
+    shapes = shapes or {"w": (3, 4), "b": (4,)}
+    rng = np.random.default_rng(version)
+    mean = {n: rng.standard_normal(s) for n, s in shapes.items()}  # fp64 on purpose: stored as fp32
+    sig = {n: np.full(s, scale) for n, s in shapes.items()} if sigma else None
+    return PublishedVersion(version=version, learner_step=10 * version, reason="test", mean=mean, sigma=sig)
+
+
+@pytest.mark.parametrize("kind,n_slots,expect_slots,expect_groups", [
+    ("grpo", 1, 1, 1), ("b3po", 1, 1, 1), ("m3po", 2, 2, 2), ("c3po", 4, 4, 1)])
+def test_publish_makes_the_plan_of_each_kind(kind, n_slots, expect_slots, expect_groups):
+    server = PosteriorServer(PosteriorConfig(kind=kind, group_size=8, n_slots=n_slots, base_seed=5))
+    plan = server.publish(_pv(1))
+    assert server.current_version() == 1 and server.plan(1) == plan
+    assert plan.kind == kind and plan.version == 1
+    assert len(plan.slots) == expect_slots and plan.groups_per_prompt == expect_groups
+    seeds = [s.seed for s in plan.slots]
+    assert (seeds == [None]) if kind == "grpo" else (len(set(seeds)) == n_slots and None not in seeds)
+    assert (plan.gradient_seed is not None) == (kind == "c3po")
+    # a new version draws new seeds; the same config in a fresh server draws the same ones
+    other = PosteriorServer(PosteriorConfig(kind=kind, group_size=8, n_slots=n_slots, base_seed=5))
+    assert other.publish(_pv(1)) == plan
+    if kind != "grpo":
+        assert server.publish(_pv(2)).slots[0].seed != plan.slots[0].seed
+
+
+def test_weights_are_read_only_fp32_copies_and_versions_strictly_increase():
+    server = PosteriorServer(PosteriorConfig(kind="b3po", n_slots=1))
+    pv = _pv(3)
+    server.publish(pv)
+    mean, sigma = server.weights(3)
+    assert mean["w"].dtype == np.float32 and sigma["b"].dtype == np.float32
+    np.testing.assert_array_equal(mean["w"], pv.mean["w"].astype(np.float32))
+    pv.mean["w"][0, 0] = 123.0  # the publisher's buffer changes later: the version must not
+    assert mean["w"][0, 0] != 123.0
+    with pytest.raises(ValueError):
+        mean["w"][0, 0] = 1.0
+    for bad in (3, 2):
+        with pytest.raises(ValueError, match="version"):
+            server.publish(_pv(bad))
+    assert server.learner_step(3) == 30
+
+
+def test_bad_publications_are_rejected_with_the_field():
+    server = PosteriorServer(PosteriorConfig(kind="c3po", n_slots=2, group_size=4))
+    with pytest.raises(ValueError, match="sigma is None"):
+        server.publish(_pv(1, sigma=False))
+    bad = _pv(1)
+    bad.sigma["w"] = np.ones((4, 3))
+    with pytest.raises(ValueError, match=r"sigma\['w'\]"):
+        server.publish(bad)
+    with pytest.raises(LookupError, match="no posterior version"):
+        server.current_version()
+    with pytest.raises(ValueError, match="posterior.kind"):
+        PosteriorConfig(kind="ppo")
+
+
+def test_a_referenced_old_version_stays_until_released():
+    server = PosteriorServer(PosteriorConfig(kind="b3po", n_slots=1, keep_versions=1))
+    server.publish(_pv(1))
+    server.acquire(1, n=3)
+    server.publish(_pv(2))
+    server.publish(_pv(3))
+    assert server.versions() == [1, 3]  # 2 was never referenced and is beyond keep_versions
+    with pytest.raises(KeyError, match="version 2"):
+        server.weights(2)
+    server.release(1, n=2)
+    assert server.plan(1).version == 1 and server.refcount(1) == 1
+    server.release(1)
+    assert server.versions() == [3]
+    with pytest.raises(KeyError, match="version 1"):
+        server.plan(1)
+    # the current version survives without references; over-release is an error
+    with pytest.raises(ValueError, match="release n"):
+        server.release(3)
+    server.acquire(3)
+    server.release(3)
+    assert server.versions() == [3]
+
+
+def test_keep_versions_keeps_the_newest_unreferenced_ones():
+    server = PosteriorServer(PosteriorConfig(kind="grpo", n_slots=1, keep_versions=2))
+    for v in (1, 2, 5):
+        server.publish(_pv(v, sigma=False))
+    assert server.versions() == [2, 5]
+
+
+def test_expected_checksum_equals_the_engines_after_serve(tiny_dense_path):
+    engine = HFEngine(tiny_dense_path, SamplerConfig(seed=1))
+    shapes = {n: tuple(p.shape) for n, p in engine._params.items()}
+    pv = _pv(4, scale=0.02, shapes=shapes)
+    server = PosteriorServer(PosteriorConfig(kind="c3po", group_size=4, n_slots=2, base_seed=9))
+    plan = server.publish(pv)
+    mean, sigma = server.weights(4)
+    engine.update_posterior(4, mean, sigma)
+    for seed in [None] + [s.seed for s in plan.slots]:
+        assert server.expected_checksum(4, seed) == engine.serve(NoiseSpec(4, seed))
+    assert len({server.expected_checksum(4, s.seed) for s in plan.slots}) == 2
+
+
+def test_state_round_trip_restores_versions_plans_and_refcounts():
+    cfg = PosteriorConfig(kind="c3po", group_size=8, n_slots=4, base_seed=3, keep_versions=1)
+    server = PosteriorServer(cfg)
+    server.publish(_pv(1))
+    server.acquire(1, n=2)
+    server.publish(_pv(2))
+    state = server.state()
+    assert _plain(state), "state must hold numpy arrays and plain values only"
+    restored = PosteriorServer.from_state(state)
+    assert restored.versions() == [1, 2] and restored.current_version() == 2
+    assert restored.plan(1) == server.plan(1) and restored.plan(2) == server.plan(2)
+    assert restored.refcount(1) == 2 and restored.refcount(2) == 0
+    for v in (1, 2):
+        for a, b in zip(server.weights(v), restored.weights(v)):
+            assert a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
+    assert restored.expected_checksum(1, server.plan(1).slots[3].seed) == \
+        server.expected_checksum(1, server.plan(1).slots[3].seed)
+    # a restored plan stays as saved even if the config for future versions changes
+    moved = PosteriorServer.from_state(state, PosteriorConfig(kind="c3po", group_size=8, n_slots=2, base_seed=4))
+    assert moved.plan(1) == server.plan(1) and len(moved.publish(_pv(3)).slots) == 2
+    restored.release(1, n=2)
+    assert restored.versions() == [2]
+    with pytest.raises(ValueError, match="version"):
+        restored.publish(_pv(2))
+
+
+def _plain(value) -> bool:
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str, np.ndarray))
+
+
+def test_bytes_per_engine_do_not_depend_on_the_number_of_slots():
+    sizes = []
+    for n_slots in (1, 2, 4, 8):
+        server = PosteriorServer(PosteriorConfig(kind="c3po", group_size=8, n_slots=n_slots))
+        server.publish(_pv(1))
+        sizes.append(server.bytes_of(1))
+    assert sizes == [2 * 4 * (12 + 4)] * 4  # mean + σ, fp32, 16 numbers each
