@@ -1,0 +1,140 @@
+"""The sampler service: one engine, turning rollout requests into tagged completions (architecture.md
+role 2).
+
+A Sampler holds one engine (services/engines/) and the posterior version it was last given. Calls are
+sequential, so a new version (`update`) takes effect at the next request boundary by construction.
+`generate` serves each (version, slot seed) of a batch once — the engine regenerates the slot's noise
+locally from the seed — and samples all of that slot's prompts together. Every completion carries
+what the driver and learner need for exactly-once delivery and off-policy correction: a deterministic
+completion id (request id / index, so a re-issued request yields the same ids), this engine's id and
+a per-engine sequence number (gaps reveal lost work), the policy version, the slot seed and the
+checksum of the weights it was sampled with (the driver compares it with the posterior server's).
+
+Not here: choosing slots or engines (the driver), checksum comparison (driver), Ray.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from threepo.services.messages import Completion, NoiseSpec, RolloutRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import numpy as np
+
+    from threepo.services.engines.base import Engine, SamplerConfig
+
+
+class Sampler:
+    """Wraps one `Engine`; see the module docstring. `metrics`, when given, is a metrics registry
+    with `counter(name, description, labels)` handles that have `inc(amount)`."""
+
+    def __init__(self, engine: Engine, engine_id: int, cfg: SamplerConfig, metrics: Any | None = None):
+        self.engine, self.engine_id, self.cfg = engine, engine_id, cfg
+        self.version: int | None = None
+        self._serving: NoiseSpec | None = None  # what the engine serves now, with its checksum
+        self._checksum = ""
+        self._seq_no = 0
+        self._stats = {"requests": 0, "completions": 0, "tokens_generated": 0, "serves": 0,
+                       "generate_s": 0.0, "serve_s": 0.0, "update_s": 0.0, "updates": 0}
+        self._counters = None
+        if metrics is not None:
+            labels = {"role": "sampler", "engine_id": str(engine_id)}
+            self._counters = {
+                "completions": metrics.counter("threepo_completions_total", "Completions generated", labels),
+                "tokens_generated": metrics.counter("threepo_tokens_generated_total", "Tokens generated",
+                                                    labels),
+                "generate_s": metrics.counter("threepo_sampler_generate_seconds_total",
+                                              "Seconds spent in engine.generate", labels),
+            }
+
+    def update(self, version: int, mean: Mapping[str, np.ndarray], sigma: Mapping[str, np.ndarray] | None) -> None:
+        """Take posterior version `version` (one transfer of m and σ, whatever the number of slots)."""
+        if self.version is not None and version < self.version:
+            raise ValueError(f"sampler {self.engine_id}: version {version} is older than the held "
+                             f"version {self.version}")
+        started = time.perf_counter()
+        self.engine.update_posterior(version, mean, sigma)
+        self.version, self._serving = version, None  # the engine serves the mean now; re-serve slots
+        self._stats["update_s"] += time.perf_counter() - started
+        self._stats["updates"] += 1
+
+    def generate(self, requests: list[RolloutRequest]) -> list[Completion]:
+        """Completions of `requests`, in request order (each request's `n` in a row)."""
+        for r in requests:
+            if r.policy_version != self.version:
+                raise ValueError(f"request {r.request_id!r} wants policy_version {r.policy_version}, but "
+                                 f"sampler {self.engine_id} holds version {self.version}: update first")
+        by_slot: dict[tuple[int, int | None], list[int]] = {}
+        for i, r in enumerate(requests):
+            by_slot.setdefault((r.policy_version, r.slot_seed), []).append(i)
+        samples: list[list | None] = [None] * len(requests)
+        checksums: list[str] = [""] * len(requests)
+        for (version, seed), indices in by_slot.items():
+            checksum = self._serve(NoiseSpec(version, seed))
+            by_n: dict[int, list[int]] = {}
+            for i in indices:
+                by_n.setdefault(requests[i].n, []).append(i)
+            for n, same_n in by_n.items():  # requests of one slot almost always share n
+                for i, drawn in zip(same_n, self._sample([requests[i].item.prompt for i in same_n], n)):
+                    samples[i], checksums[i] = drawn, checksum
+        completions = [self._tag(r, j, s, checksums[i])
+                       for i, r in enumerate(requests) for j, s in enumerate(samples[i])]
+        self._count(len(requests), completions)
+        return completions
+
+    def stats(self) -> dict:
+        """Counters since construction; `tokens_per_s` is tokens generated per second in generate."""
+        out = dict(self._stats, engine_id=self.engine_id, version=self.version, next_seq_no=self._seq_no)
+        out["tokens_per_s"] = out["tokens_generated"] / out["generate_s"] if out["generate_s"] else 0.0
+        return out
+
+    def close(self) -> None:
+        """Release the engine."""
+        self.engine.close()
+
+    def _serve(self, noise: NoiseSpec) -> str:
+        # the engine keeps serving one policy between calls: re-serving it would copy every weight again
+        if noise != self._serving:
+            started = time.perf_counter()
+            self._checksum = self.engine.serve(noise)
+            self._serving = noise
+            self._stats["serve_s"] += time.perf_counter() - started
+            self._stats["serves"] += 1
+        return self._checksum
+
+    def _sample(self, prompts: list[str], n: int) -> list[list]:
+        cfg = self.cfg
+        params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                max_new_tokens=cfg.max_new_tokens, n=n)
+        started = time.perf_counter()
+        samples = self.engine.generate(prompts, params)
+        elapsed = time.perf_counter() - started
+        self._stats["generate_s"] += elapsed
+        if self._counters is not None:
+            self._counters["generate_s"].inc(elapsed)
+        if len(samples) != len(prompts) or any(len(s) != n for s in samples):
+            raise RuntimeError(f"engine {self.engine_id} returned {[len(s) for s in samples]} samples for "
+                               f"{len(prompts)} prompts × n={n}")
+        return samples
+
+    def _tag(self, r: RolloutRequest, j: int, s, checksum: str) -> Completion:
+        self._seq_no += 1
+        return Completion(
+            completion_id=f"{r.request_id}/{j}", request_id=r.request_id, group_id=r.group_id, slot=r.slot,
+            prompt_uid=r.item.uid, engine_id=self.engine_id, seq_no=self._seq_no - 1,
+            policy_version=r.policy_version, slot_seed=r.slot_seed, weights_checksum=checksum,
+            prompt_ids=tuple(s.prompt_ids), token_ids=tuple(s.token_ids), logprobs=tuple(s.logprobs),
+            finish_reason=s.finish_reason, text=s.text)
+
+    def _count(self, n_requests: int, completions: list[Completion]) -> None:
+        tokens = sum(len(c.token_ids) for c in completions)
+        self._stats["requests"] += n_requests
+        self._stats["completions"] += len(completions)
+        self._stats["tokens_generated"] += tokens
+        if self._counters is not None:
+            self._counters["completions"].inc(len(completions))
+            self._counters["tokens_generated"].inc(tokens)
