@@ -1,0 +1,162 @@
+"""The verifier pool: scores completions with the verifier each task names, concurrency-limited, and
+retries infrastructure failures (architecture.md role 3).
+
+Verifiers are built lazily, one per name, by `load_verifier(name, **options)` (or a factory injected
+for tests). `verify_batch` is synchronous so that a synchronous Ray actor can call it on its main
+thread, where math-verify's SIGALRM timeouts work: it runs the async verifiers under a semaphore on an
+event loop driven from the calling thread. A result with status `infra_error` says nothing about the
+completion, so it is retried with exponential backoff and jitter; if it persists, the `infra_error`
+(reward NaN) is returned — never a zero reward — and the driver keeps it out of the gradient.
+
+Not here: the checks themselves (services/verifiers/), what to do with an unscorable group (driver).
+Departure: one event loop lives as long as the pool instead of one `asyncio.run` per batch, because
+the remote sandbox client binds its HTTP session to a loop; a new loop per batch would open a new
+session each time and could never close the old one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from threepo.services.messages import VerifyRequest, VerifyResult, VerifyStatus
+from threepo.services.verifiers.base import Verifier, load_verifier
+
+
+@dataclass(frozen=True)
+class VerifierPoolConfig:
+    """How the pool runs verifiers."""
+
+    max_concurrency: int = 8
+    """Most verifications in flight at once (over all verifier names)."""
+    infra_retries: int = 3
+    """Retries of a verification whose status is infra_error (attempts = 1 + infra_retries)."""
+    backoff_base_s: float = 0.5
+    """Delay before retry k (k = 0, 1, ...) is min(backoff_max_s, base * 2**k) * U(1 - jitter, 1)."""
+    backoff_max_s: float = 8.0
+    """Cap on one backoff delay."""
+    jitter: float = 0.5
+    """Fraction of each delay drawn at random, in [0, 1] (spreads retries of a failed burst)."""
+    seed: int = 0
+    """Seed of the jitter."""
+    options: tuple[tuple[str, str, Any], ...] = ()
+    """Verifier options as (verifier name, option, value), e.g. ("math", "mode", "process")."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", tuple(tuple(o) for o in self.options))
+        if self.max_concurrency < 1:
+            raise ValueError(f"verifier_pool.max_concurrency: expected >= 1, got {self.max_concurrency}")
+        if self.infra_retries < 0:
+            raise ValueError(f"verifier_pool.infra_retries: expected >= 0, got {self.infra_retries}")
+        if self.backoff_base_s < 0 or self.backoff_max_s < self.backoff_base_s:
+            raise ValueError("verifier_pool.backoff_base_s/backoff_max_s: expected 0 <= base <= max, got "
+                             f"{self.backoff_base_s}, {self.backoff_max_s}")
+        if not 0 <= self.jitter <= 1:
+            raise ValueError(f"verifier_pool.jitter: expected in [0, 1], got {self.jitter}")
+        for option in self.options:
+            if len(option) != 3 or not all(isinstance(x, str) for x in option[:2]):
+                raise ValueError(f"verifier_pool.options: expected (verifier name, option, value), got {option!r}")
+
+    def options_of(self, name: str) -> dict[str, Any]:
+        """Keyword options for verifier `name`."""
+        return {key: value for verifier, key, value in self.options if verifier == name}
+
+
+class VerifierPool:
+    """Scores `VerifyRequest`s in order; see the module docstring.
+
+    `factories` maps verifier names to factories used instead of `load_verifier` (tests, embedding);
+    `sleep` is the async backoff sleep (tests pass a recorder, so nothing waits).
+    """
+
+    def __init__(self, cfg: VerifierPoolConfig, *,
+                 factories: Mapping[str, Callable[..., Verifier]] | None = None,
+                 sleep: Callable[[float], Awaitable[Any]] | None = None, metrics: Any | None = None):
+        self.cfg = cfg
+        self._factories = dict(factories or {})
+        self._sleep = sleep or asyncio.sleep
+        self._rng = random.Random(cfg.seed)
+        self._verifiers: dict[str, Verifier] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._limit: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
+        self._status: Counter[str] = Counter()
+        self._stats = {"requests": 0, "attempts": 0, "retries": 0, "latency_s_sum": 0.0, "latency_s_max": 0.0}
+        self._metrics = metrics
+        self._counters: dict[str, Any] = {}
+
+    def verify_batch(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
+        """Results of `requests`, in order. Call from synchronous code (not inside a running loop)."""
+        if self._loop is None or self._loop.is_closed():
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(self.averify_batch(requests))
+
+    async def averify_batch(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
+        """`verify_batch` for callers that already run an event loop."""
+        loop = asyncio.get_running_loop()
+        if self._limit is None or self._limit[0] is not loop:  # a semaphore belongs to one loop
+            self._limit = (loop, asyncio.Semaphore(self.cfg.max_concurrency))
+        verifiers = [self._verifier(r.item.verifier) for r in requests]  # unknown names fail before any work
+        return list(await asyncio.gather(*(self._verify(v, r, self._limit[1])
+                                           for v, r in zip(verifiers, requests))))
+
+    def stats(self) -> dict:
+        """Counts of final statuses, attempts, retries and latency (seconds, retries included)."""
+        return dict(self._stats, status=dict(self._status))
+
+    def close(self) -> None:
+        """Close every verifier built so far, then the event loop."""
+        verifiers, self._verifiers = list(self._verifiers.values()), {}
+        for verifier in verifiers:
+            verifier.close()
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.close()
+        self._loop = None
+
+    def backoff_s(self, retry: int) -> float:
+        """Delay before retry `retry` (0-based): capped exponential, shortened by up to `jitter`."""
+        cfg = self.cfg
+        return min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** retry) * (1 - cfg.jitter * self._rng.random())
+
+    def _verifier(self, name: str) -> Verifier:
+        if name not in self._verifiers:
+            options = self.cfg.options_of(name)
+            self._verifiers[name] = (self._factories[name](**options) if name in self._factories
+                                     else load_verifier(name, **options))
+        return self._verifiers[name]
+
+    async def _verify(self, verifier: Verifier, request: VerifyRequest, limit: asyncio.Semaphore) -> VerifyResult:
+        started = time.perf_counter()
+        for attempt in range(1 + self.cfg.infra_retries):
+            if attempt:
+                await self._sleep(self.backoff_s(attempt - 1))  # outside the semaphore: others proceed
+                self._stats["retries"] += 1
+            async with limit:
+                self._stats["attempts"] += 1
+                result = await verifier.verify(request)
+            if result.status is not VerifyStatus.INFRA_ERROR:
+                break
+        if result.status is VerifyStatus.INFRA_ERROR and not math.isnan(result.reward):
+            # a plug-in that breaks the NaN contract must still not put a number into the gradient
+            result = replace(result, reward=math.nan,
+                             details=f"{result.details} (reward {result.reward} replaced by NaN)")
+        self._record(result.status, time.perf_counter() - started)
+        return result
+
+    def _record(self, status: VerifyStatus, latency_s: float) -> None:
+        self._status[status.value] += 1
+        self._stats["requests"] += 1
+        self._stats["latency_s_sum"] += latency_s
+        self._stats["latency_s_max"] = max(self._stats["latency_s_max"], latency_s)
+        if self._metrics is not None:
+            key = f"status/{status.value}"
+            if key not in self._counters:
+                self._counters[key] = self._metrics.counter(
+                    "threepo_verifications_total", "Verifications by final status",
+                    {"role": "verifier", "status": status.value})
+            self._counters[key].inc(1)
