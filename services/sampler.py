@@ -16,9 +16,10 @@ Not here: choosing slots or engines (the driver), checksum comparison (driver), 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from threepo.services.messages import Completion, NoiseSpec, RolloutRequest, SamplingParams
+from threepo.services.metrics import CATALOGUE, Metrics, register_catalogue
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -27,29 +28,24 @@ if TYPE_CHECKING:
 
     from threepo.services.engines.base import Engine, SamplerConfig
 
+_METRICS = ("threepo_tokens_generated_total", "threepo_completions_total", "threepo_sync_bytes_total",
+            "threepo_sync_seconds")
+
 
 class Sampler:
-    """Wraps one `Engine`; see the module docstring. `metrics`, when given, is a metrics registry
-    with `counter(name, description, labels)` handles that have `inc(amount)`."""
+    """Wraps one `Engine`; see the module docstring. `metrics` (services/metrics.py) receives
+    tokens, completions, sync bytes and sync seconds, labelled with the engine id."""
 
-    def __init__(self, engine: Engine, engine_id: int, cfg: SamplerConfig, metrics: Any | None = None):
+    def __init__(self, engine: Engine, engine_id: int, cfg: SamplerConfig, metrics: Metrics | None = None):
         self.engine, self.engine_id, self.cfg = engine, engine_id, cfg
         self.version: int | None = None
         self._serving: NoiseSpec | None = None  # what the engine serves now, with its checksum
         self._checksum = ""
         self._seq_no = 0
         self._stats = {"requests": 0, "completions": 0, "tokens_generated": 0, "serves": 0,
-                       "generate_s": 0.0, "serve_s": 0.0, "update_s": 0.0, "updates": 0}
-        self._counters = None
-        if metrics is not None:
-            labels = {"role": "sampler", "engine_id": str(engine_id)}
-            self._counters = {
-                "completions": metrics.counter("threepo_completions_total", "Completions generated", labels),
-                "tokens_generated": metrics.counter("threepo_tokens_generated_total", "Tokens generated",
-                                                    labels),
-                "generate_s": metrics.counter("threepo_sampler_generate_seconds_total",
-                                              "Seconds spent in engine.generate", labels),
-            }
+                       "generate_s": 0.0, "serve_s": 0.0, "update_s": 0.0, "updates": 0, "sync_bytes": 0}
+        self._metrics = None if metrics is None else register_catalogue(
+            metrics, [m for m in CATALOGUE if m.name in _METRICS])
 
     def update(self, version: int, mean: Mapping[str, np.ndarray], sigma: Mapping[str, np.ndarray] | None) -> None:
         """Take posterior version `version` (one transfer of m and σ, whatever the number of slots)."""
@@ -59,8 +55,14 @@ class Sampler:
         started = time.perf_counter()
         self.engine.update_posterior(version, mean, sigma)
         self.version, self._serving = version, None  # the engine serves the mean now; re-serve slots
-        self._stats["update_s"] += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        sent = sum(a.nbytes for part in (mean, sigma or {}) for a in part.values())
+        self._stats["update_s"] += elapsed
         self._stats["updates"] += 1
+        self._stats["sync_bytes"] += sent
+        if self._metrics is not None:
+            self._metrics["threepo_sync_seconds"].observe(elapsed, engine_id=self.engine_id)
+            self._metrics["threepo_sync_bytes_total"].inc(sent, engine_id=self.engine_id)
 
     def generate(self, requests: list[RolloutRequest]) -> list[Completion]:
         """Completions of `requests`, in request order (each request's `n` in a row)."""
@@ -112,10 +114,7 @@ class Sampler:
                                 max_new_tokens=cfg.max_new_tokens, n=n)
         started = time.perf_counter()
         samples = self.engine.generate(prompts, params)
-        elapsed = time.perf_counter() - started
-        self._stats["generate_s"] += elapsed
-        if self._counters is not None:
-            self._counters["generate_s"].inc(elapsed)
+        self._stats["generate_s"] += time.perf_counter() - started
         if len(samples) != len(prompts) or any(len(s) != n for s in samples):
             raise RuntimeError(f"engine {self.engine_id} returned {[len(s) for s in samples]} samples for "
                                f"{len(prompts)} prompts × n={n}")
@@ -135,6 +134,6 @@ class Sampler:
         self._stats["requests"] += n_requests
         self._stats["completions"] += len(completions)
         self._stats["tokens_generated"] += tokens
-        if self._counters is not None:
-            self._counters["completions"].inc(len(completions))
-            self._counters["tokens_generated"].inc(tokens)
+        if self._metrics is not None:
+            self._metrics["threepo_completions_total"].inc(len(completions), engine_id=self.engine_id)
+            self._metrics["threepo_tokens_generated_total"].inc(tokens, engine_id=self.engine_id)

@@ -26,7 +26,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from threepo.services.messages import VerifyRequest, VerifyResult, VerifyStatus
+from threepo.services.metrics import CATALOGUE, Metrics, register_catalogue
 from threepo.services.verifiers.base import Verifier, load_verifier
+
+_METRICS = ("threepo_verifier_results_total", "threepo_verifier_latency_seconds")
 
 
 @dataclass(frozen=True)
@@ -72,12 +75,13 @@ class VerifierPool:
     """Scores `VerifyRequest`s in order; see the module docstring.
 
     `factories` maps verifier names to factories used instead of `load_verifier` (tests, embedding);
-    `sleep` is the async backoff sleep (tests pass a recorder, so nothing waits).
+    `sleep` is the async backoff sleep (tests pass a recorder, so nothing waits). `metrics`
+    (services/metrics.py) receives result counts and latency (retries included) by verifier and status.
     """
 
     def __init__(self, cfg: VerifierPoolConfig, *,
                  factories: Mapping[str, Callable[..., Verifier]] | None = None,
-                 sleep: Callable[[float], Awaitable[Any]] | None = None, metrics: Any | None = None):
+                 sleep: Callable[[float], Awaitable[Any]] | None = None, metrics: Metrics | None = None):
         self.cfg = cfg
         self._factories = dict(factories or {})
         self._sleep = sleep or asyncio.sleep
@@ -87,8 +91,8 @@ class VerifierPool:
         self._limit: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self._status: Counter[str] = Counter()
         self._stats = {"requests": 0, "attempts": 0, "retries": 0, "latency_s_sum": 0.0, "latency_s_max": 0.0}
-        self._metrics = metrics
-        self._counters: dict[str, Any] = {}
+        self._metrics = None if metrics is None else register_catalogue(
+            metrics, [m for m in CATALOGUE if m.name in _METRICS])
 
     def verify_batch(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         """Results of `requests`, in order. Call from synchronous code (not inside a running loop)."""
@@ -145,18 +149,15 @@ class VerifierPool:
             # a plug-in that breaks the NaN contract must still not put a number into the gradient
             result = replace(result, reward=math.nan,
                              details=f"{result.details} (reward {result.reward} replaced by NaN)")
-        self._record(result.status, time.perf_counter() - started)
+        self._record(verifier.name, result.status, time.perf_counter() - started)
         return result
 
-    def _record(self, status: VerifyStatus, latency_s: float) -> None:
+    def _record(self, verifier: str, status: VerifyStatus, latency_s: float) -> None:
         self._status[status.value] += 1
         self._stats["requests"] += 1
         self._stats["latency_s_sum"] += latency_s
         self._stats["latency_s_max"] = max(self._stats["latency_s_max"], latency_s)
         if self._metrics is not None:
-            key = f"status/{status.value}"
-            if key not in self._counters:
-                self._counters[key] = self._metrics.counter(
-                    "threepo_verifications_total", "Verifications by final status",
-                    {"role": "verifier", "status": status.value})
-            self._counters[key].inc(1)
+            self._metrics["threepo_verifier_results_total"].inc(1, verifier=verifier, status=status.value)
+            self._metrics["threepo_verifier_latency_seconds"].observe(latency_s, verifier=verifier,
+                                                                      status=status.value)

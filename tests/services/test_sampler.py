@@ -1,5 +1,5 @@
 """Sampler: completion ids, per-engine sequence numbers and weights checksums on the tiny checkpoint;
-one serve per (version, seed) group; version mismatch; stats and metrics counters."""
+one serve per (version, seed) group; version mismatch; stats and metrics."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from threepo.services.engines.base import SamplerConfig
 from threepo.services.engines.hf import HFEngine
 from threepo.services.messages import PublishedVersion, RolloutRequest, TaskItem
+from threepo.services.metrics import PrometheusMetrics
 from threepo.services.posterior import PosteriorConfig, PosteriorServer
 from threepo.services.sampler import Sampler
 
@@ -140,29 +141,17 @@ def test_a_request_for_another_version_is_refused_before_any_work(setup, hf_engi
         sampler.update(0, *server.weights(1))
 
 
-def test_metrics_counters_follow_the_stats(setup):
+def test_metrics_follow_the_stats(setup):
     _, engine, server = setup
-
-    class Counter:
-        def __init__(self):
-            self.value = 0.0
-
-        def inc(self, amount=1.0):
-            self.value += amount
-
-    class Registry:
-        def __init__(self):
-            self.counters = {}
-
-        def counter(self, name, description, labels):
-            assert labels == {"role": "sampler", "engine_id": "3"}
-            return self.counters.setdefault(name, Counter())
-
-    registry = Registry()
-    sampler = Sampler(engine, engine_id=3, cfg=CFG, metrics=registry)
+    metrics = PrometheusMetrics()
+    sampler = Sampler(engine, engine_id=3, cfg=CFG, metrics=metrics)
     sampler.update(1, *server.weights(1))
     completions = sampler.generate(_requests(server.plan(1), [0]))
-    counters = registry.counters
-    assert counters["threepo_completions_total"].value == len(completions) == 4
-    assert counters["threepo_tokens_generated_total"].value == sum(len(c.token_ids) for c in completions)
-    assert counters["threepo_sampler_generate_seconds_total"].value == pytest.approx(sampler.stats()["generate_s"])
+
+    def value(name):
+        return metrics.registry.get_sample_value(name, {"engine_id": "3"})
+
+    assert value("threepo_completions_total") == len(completions) == 4
+    assert value("threepo_tokens_generated_total") == sum(len(c.token_ids) for c in completions)
+    assert value("threepo_sync_bytes_total") == server.bytes_of(1) == sampler.stats()["sync_bytes"]
+    assert value("threepo_sync_seconds_count") == 1

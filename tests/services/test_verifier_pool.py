@@ -9,6 +9,7 @@ import math
 import pytest
 
 from threepo.services.messages import TaskItem, VerifyRequest, VerifyResult, VerifyStatus
+from threepo.services.metrics import PrometheusMetrics
 from threepo.services.verifier_pool import VerifierPool, VerifierPoolConfig
 
 NAN = float("nan")
@@ -56,8 +57,9 @@ class Sleeps:
         self.delays.append(seconds)
 
 
-def make_pool(fake, cfg=None, sleeps=None):
-    return VerifierPool(cfg or VerifierPoolConfig(), factories={"fake": lambda **o: fake}, sleep=sleeps or Sleeps())
+def make_pool(fake, cfg=None, sleeps=None, metrics=None):
+    return VerifierPool(cfg or VerifierPoolConfig(), factories={"fake": lambda **o: fake}, sleep=sleeps or Sleeps(),
+                        metrics=metrics)
 
 
 def test_flaky_infra_error_is_retried_with_backoff_until_ok():
@@ -128,24 +130,17 @@ def test_bad_config_names_the_field():
         VerifierPoolConfig(options=(("math", "mode"),))
 
 
-def test_status_counter_metrics():
-    counters = {}
+def test_results_and_latency_metrics_by_verifier_and_status():
+    metrics = PrometheusMetrics()
+    fake = FakeVerifier(failures={"c-ok": 1, "d-ok": 9})
+    pool = make_pool(fake, VerifierPoolConfig(infra_retries=1), metrics=metrics)
+    pool.verify_batch([request(u) for u in ("a-ok", "b-no", "c-ok", "d-ok")])
 
-    class Counter:
-        value = 0
+    def value(name, status):
+        return metrics.registry.get_sample_value(name, {"verifier": "fake", "status": status})
 
-        def inc(self, amount=1):
-            self.value += amount
-
-    class Registry:
-        def counter(self, name, description, labels):
-            assert name == "threepo_verifications_total"
-            return counters.setdefault(labels["status"], Counter())
-
-    pool = VerifierPool(VerifierPoolConfig(), factories={"fake": lambda: FakeVerifier()}, sleep=Sleeps(),
-                        metrics=Registry())
-    pool.verify_batch([request("a-ok"), request("b-no"), request("c-ok")])
-    assert {k: c.value for k, c in counters.items()} == {"ok": 2, "wrong": 1}
+    assert [value("threepo_verifier_results_total", s) for s in ("ok", "wrong", "infra_error")] == [2, 1, 1]
+    assert value("threepo_verifier_latency_seconds_count", "ok") == 2
 
 
 def test_real_math_verifier_through_the_pool():
