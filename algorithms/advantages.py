@@ -136,3 +136,25 @@ def combined_reward(r_ext: torch.Tensor, r_sem: torch.Tensor, lam_sem: float) ->
     if lam_sem < 0:
         raise ValueError(f"lam_sem: expected >= 0, got {lam_sem}")
     return r_ext + lam_sem * r_sem.to(r_ext.dtype)
+
+
+def rescued_groups(rewards: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Groups whose reward spread exists only thanks to several perturbation slots (3PO diagnostic).
+
+    rescued_b = (max_g R_bg > min_g R_bg) ∧ ∃ s: {R_bg : slot_bg = s} is non-empty and constant,
+    i.e. the group has a learning signal, yet at least one slot alone would have produced a
+    zero-advantage (dead) group. [OURS: the papers count groups rescued against a paired GRPO
+    run; a paired run is not available online, so this counts the within-run counterfactual.]
+    Args: rewards [B, G] float, slots [B, G] int. Returns bool [B].
+    """
+    _check_rewards(rewards)
+    if slots.shape != rewards.shape:
+        raise ValueError(f"slots: expected shape {tuple(rewards.shape)}, got {tuple(slots.shape)}")
+    mixed = rewards.amax(dim=1) > rewards.amin(dim=1)
+    any_uniform = torch.zeros_like(mixed)
+    for s in torch.unique(slots).tolist():
+        inside = slots == s
+        hi = torch.where(inside, rewards, torch.full_like(rewards, -torch.inf)).amax(dim=1)
+        lo = torch.where(inside, rewards, torch.full_like(rewards, torch.inf)).amin(dim=1)
+        any_uniform |= inside.any(dim=1) & (hi == lo)
+    return mixed & any_uniform

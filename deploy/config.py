@@ -23,6 +23,7 @@ from typing import Any, Literal
 from threepo.services.bootstrap import BootstrapConfig
 from threepo.services.engines.base import SamplerConfig
 from threepo.services.evaluation import EvalConfig
+from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig
 from threepo.services.modeling import ModelConfig
 from threepo.services.tasks import TaskConfig
 
@@ -41,6 +42,51 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class RuntimeConfig:
+    """How the roles run on Ray and how the driver schedules them (deploy/run.py)."""
+
+    mode: Literal["async", "sync"] = "async"
+    """async: sampling, verification and learning overlap under a staleness bound; sync: one phase
+    after another on the same components (for comparison)."""
+    steps: int = 150
+    """Learner steps to run."""
+    prompts_per_step: int = 8
+    """Prompts whose groups make one learner step (M3PO: each prompt gives M groups)."""
+    max_offpolicy: int = 1
+    """Admission bound: prompts are admitted only while every admitted group will be consumed
+    within this many learner steps after the current one (admission control, never discarding)."""
+    num_samplers: int = 2
+    """Sampler engine actors (each serves one slot at a time)."""
+    sampler_cpus: float = 1.0
+    """Ray CPUs per sampler actor (its torch threads follow)."""
+    num_verifiers: int = 1
+    """Verifier-pool actors (synchronous, so math-verify's SIGALRM timeouts work)."""
+    verifier_cpus: float = 0.25
+    """Ray CPUs per verifier actor."""
+    learner_cpus: float = 1.0
+    """Ray CPUs of the learner actor (its torch threads follow)."""
+    requests_per_call: int = 16
+    """Most rollout requests sent to one sampler in one call (one engine batch per slot)."""
+    checkpoint_every: int = 50
+    """Learner steps between checkpoints (0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept in the run directory."""
+    eval_every: int = 0
+    """Learner steps between held-out evaluations during training (0 = only before and after)."""
+    ray_address: str = ""
+    """Ray cluster to join ('' = start a local one; 'auto' = the cluster this runs in)."""
+    metrics_port: int = 0
+    """Driver's Prometheus port when not on a Ray cluster with a metrics agent (0 = off)."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "prompts_per_step", "num_samplers", "num_verifiers", "requests_per_call"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"runtime.{name}: expected >= 1, got {getattr(self, name)}")
+        if self.max_offpolicy < 0:
+            raise ValueError(f"runtime.max_offpolicy: expected >= 0, got {self.max_offpolicy}")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything one `threepo` command needs."""
 
@@ -56,6 +102,15 @@ class RunConfig:
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def __post_init__(self) -> None:
+        from threepo.services.learner_config import check_combination
+
+        check_combination(self.algo, self.optim, self.model.kind)
 
 
 class ConfigError(ValueError):

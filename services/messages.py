@@ -97,6 +97,23 @@ class NoiseSpec:
 
 
 @dataclass(frozen=True)
+class RolloutRequest:
+    """Driver -> sampler: `n` rollouts of `item` from slot `slot` of version `policy_version`.
+
+    `request_id` is unique per admitted request and deterministic (group id + slot), so a request
+    re-issued after a sampler crash yields completions with the same ids, which the learner then
+    de-duplicates (exactly-once consumption)."""
+
+    request_id: str
+    group_id: str
+    item: TaskItem
+    policy_version: int
+    slot: int
+    slot_seed: int | None
+    n: int
+
+
+@dataclass(frozen=True)
 class Completion:
     """One sampled completion with everything the learner needs to correct for off-policyness.
 
@@ -106,6 +123,9 @@ class Completion:
     """
 
     completion_id: str
+    request_id: str
+    group_id: str
+    slot: int
     prompt_uid: str
     engine_id: int
     seq_no: int
@@ -117,3 +137,36 @@ class Completion:
     logprobs: tuple[float, ...]
     finish_reason: str
     text: str
+
+
+@dataclass(frozen=True)
+class ScoredCompletion:
+    """A completion with its verification result."""
+
+    completion: Completion
+    result: VerifyResult
+
+
+@dataclass(frozen=True)
+class Group:
+    """One advantage group: all rollouts of one prompt that share a baseline (plan-dependent).
+
+    `published_step` is the learner step at which `policy_version` was published (staleness =
+    learner step at consumption − published_step)."""
+
+    group_id: str
+    item: TaskItem
+    policy_version: int
+    published_step: int
+    completions: tuple[ScoredCompletion, ...]
+
+
+@dataclass(frozen=True)
+class PublishedVersion:
+    """A posterior version as the learner publishes it: fp32 mean and σ by parameter name."""
+
+    version: int
+    learner_step: int
+    reason: str
+    mean: dict  # {name: np.ndarray fp32}
+    sigma: dict | None  # {name: np.ndarray fp32}; None when the optimizer has no posterior (AdamW)

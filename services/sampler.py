@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from threepo.algorithms.param_noise import tensor_seed
 from threepo.services.messages import Completion, NoiseSpec, RolloutRequest, SamplingParams
 from threepo.services.metrics import CATALOGUE, Metrics, register_catalogue
 
@@ -48,10 +49,9 @@ class Sampler:
             metrics, [m for m in CATALOGUE if m.name in _METRICS])
 
     def update(self, version: int, mean: Mapping[str, np.ndarray], sigma: Mapping[str, np.ndarray] | None) -> None:
-        """Take posterior version `version` (one transfer of m and σ, whatever the number of slots)."""
-        if self.version is not None and version < self.version:
-            raise ValueError(f"sampler {self.engine_id}: version {version} is older than the held "
-                             f"version {self.version}")
+        """Take posterior version `version` (one transfer of m and σ, whatever the number of slots).
+        An older version is allowed: the driver re-issues a crashed sampler's requests at the version
+        they were admitted with, while the posterior server keeps that version alive."""
         started = time.perf_counter()
         self.engine.update_posterior(version, mean, sigma)
         self.version, self._serving = version, None  # the engine serves the mean now; re-serve slots
@@ -81,7 +81,8 @@ class Sampler:
             for i in indices:
                 by_n.setdefault(requests[i].n, []).append(i)
             for n, same_n in by_n.items():  # requests of one slot almost always share n
-                for i, drawn in zip(same_n, self._sample([requests[i].item.prompt for i in same_n], n)):
+                seed = tensor_seed(self.cfg.seed, "|".join(requests[i].request_id for i in same_n))
+                for i, drawn in zip(same_n, self._sample([requests[i].item.prompt for i in same_n], n, seed)):
                     samples[i], checksums[i] = drawn, checksum
         completions = [self._tag(r, j, s, checksums[i])
                        for i, r in enumerate(requests) for j, s in enumerate(samples[i])]
@@ -108,12 +109,14 @@ class Sampler:
             self._stats["serves"] += 1
         return self._checksum
 
-    def _sample(self, prompts: list[str], n: int) -> list[list]:
+    def _sample(self, prompts: list[str], n: int, seed: int) -> list[list]:
+        """Sample with a stream seeded by the request ids: a re-issued or resumed request draws the
+        same tokens whatever the engine did before."""
         cfg = self.cfg
         params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                 max_new_tokens=cfg.max_new_tokens, n=n)
         started = time.perf_counter()
-        samples = self.engine.generate(prompts, params)
+        samples = self.engine.generate(prompts, params, seed=seed)
         self._stats["generate_s"] += time.perf_counter() - started
         if len(samples) != len(prompts) or any(len(s) != n for s in samples):
             raise RuntimeError(f"engine {self.engine_id} returned {[len(s) for s in samples]} samples for "

@@ -74,8 +74,10 @@ class Engine(Protocol):
     def serve(self, noise: NoiseSpec) -> str:
         """Serve θ̂ = m + σ ⊙ z(noise.seed) (seed None: the mean); return the weights checksum."""
 
-    def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[GeneratedSample]]:
-        """`params.n` samples for each prompt from the currently served policy."""
+    def generate(self, prompts: Sequence[str], params: SamplingParams,
+                 seed: int | None = None) -> list[list[GeneratedSample]]:
+        """`params.n` samples for each prompt from the currently served policy; `seed` (optional)
+        makes the call's random draws independent of earlier calls (reproducible runs)."""
 
     def close(self) -> None:
         """Release the engine's resources."""

@@ -131,7 +131,10 @@ class HFEngine:
         self.noise, self.checksum = noise, param_noise.weights_checksum(theta.items())
         return self.checksum
 
-    def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[GeneratedSample]]:
+    def generate(self, prompts: Sequence[str], params: SamplingParams,
+                 seed: int | None = None) -> list[list[GeneratedSample]]:
+        if seed is not None:  # a call-specific stream: the draw does not depend on earlier calls
+            self.generator.manual_seed(param_noise.tensor_seed(seed, f"engine/{self.engine_id}"))
         return generate(self.model, self.tokenizer, prompts, params, batch_size=self.cfg.batch_size,
                         generator=self.generator)
 

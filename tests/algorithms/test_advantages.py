@@ -133,3 +133,17 @@ def test_combined_reward():
     # λ_sem breaks an all-correct tie, so the group is no longer dead
     r = combined_reward(torch.ones(1, 2, dtype=F64), torch.tensor([[0.2, 0.4]], dtype=F64), 0.1)
     assert not zero_advantage_groups(r).item()
+
+
+def test_rescued_groups_hand_cases():
+    from threepo.algorithms.advantages import rescued_groups
+
+    rewards = torch.tensor([[1.0, 1.0, 0.0, 0.0],   # slot 0 all 1, slot 1 all 0: mixed only across slots
+                            [1.0, 0.0, 1.0, 0.0],   # every slot mixed on its own: not rescued
+                            [1.0, 1.0, 1.0, 1.0],   # dead group: not rescued
+                            [1.0, 0.0, 0.0, 0.0]],  # slot 0 mixed, slot 1 uniform: rescued
+                           dtype=torch.float64)
+    slots = torch.tensor([[0, 0, 1, 1]] * 4)
+    assert rescued_groups(rewards, slots).tolist() == [True, False, False, True]
+    # one slot (GRPO, B3PO): a mixed group is never "rescued"
+    assert not rescued_groups(rewards, torch.zeros_like(slots)).any()

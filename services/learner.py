@@ -1,0 +1,282 @@
+"""The learner: owns the training copy of the model and the optimizer state (IVON or AdamW).
+
+`step(groups)` turns complete, scored groups into advantages and the off-policy-corrected loss
+(all math in algorithms/), takes the gradient where the exploration plan says — at a fresh
+posterior sample θ̂′ (C3PO), at each rollout's own sample (B3PO, M3PO: one IVON Monte-Carlo sample
+per slot) or at the mean (GRPO) — steps, and decides with the sync budget whether to publish a new
+version. Drift diagnostics compare each rollout's behaviour log-probs with the learner's log-probs at
+the gradient point *before* the update (the policy the next batch would be corrected towards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from threepo.algorithms import advantages as adv_math
+from threepo.algorithms import losses, off_policy
+from threepo.algorithms.exploration import plan_seed
+from threepo.algorithms.ivon import IVON
+from threepo.algorithms.rouge import rouge_l_rewards
+from threepo.algorithms.sync_budget import sync_decision
+from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig
+from threepo.services.messages import Group, PublishedVersion, VerifyStatus
+from threepo.services.modeling import load_model, trainable_named_parameters
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Metrics of one learner step and, when the sync budget fired, the version it publishes."""
+
+    step: int
+    metrics: dict[str, float]
+    publish_version: int | None
+    publish_reason: str | None
+
+
+@dataclass
+class _Batch:
+    input_ids: torch.Tensor    # [B, L] right-padded prompt + completion
+    attn: torch.Tensor         # [B, L]
+    targets: torch.Tensor      # [B, L-1] next tokens
+    mask: torch.Tensor         # [B, L-1] 1 on completion tokens
+    logp_behav: torch.Tensor   # [B, L-1] behaviour log-probs aligned with targets
+    rewards: torch.Tensor      # [B/G, G]
+    slots: torch.Tensor        # [B/G, G] slot index of each rollout
+    slot_seeds: list           # [B] seed of the slot that sampled each rollout
+
+
+class Learner:
+    """Training copy + optimizer; one `step` per batch of groups; publishes on the sync budget."""
+
+    def __init__(self, model_path: str, algo: AlgoConfig, optim: OptimConfig, sync: SyncConfig, *,
+                 temperature: float, max_new_tokens: int, threads: int = 1) -> None:
+        torch.set_num_threads(threads)
+        self.model_path, self.algo, self.optim_cfg, self.sync = model_path, algo, optim, sync
+        self.temperature, self.max_new_tokens = temperature, max_new_tokens
+        self.model = load_model(model_path).train()
+        self.named = trainable_named_parameters(self.model)
+        self.ref_model = load_model(model_path).eval() if algo.kl_coef else None
+        self.opt = self._make_optimizer()
+        self.step_count, self.version, self.steps_since_sync = 0, 0, 0
+        self.version_step = {0: 0}  # published version -> learner step at publish
+
+    def _make_optimizer(self):
+        o = self.optim_cfg
+        if o.name == "ivon":
+            return IVON(self.named, lr=o.lr, ess=o.ess, hess_init=o.hess_init, beta1=o.beta1,
+                        beta2=o.beta2, weight_decay=o.weight_decay, clip_radius=o.clip_radius,
+                        rescale_lr=o.rescale_lr)
+        return torch.optim.AdamW([p for _, p in self.named], lr=o.lr, betas=(o.beta1, o.beta2),
+                                 weight_decay=o.weight_decay)
+
+    # ---- one training step ------------------------------------------------------------------
+    def step(self, groups: Sequence[Group]) -> StepResult:
+        started = time.perf_counter()
+        batch = self._collate(groups)
+        advantages, adv_metrics = self._advantages(batch, groups)
+        diag = []
+        for seed, rows in self._gradient_points(batch):
+            with self._at(seed):
+                diag.append(self._backward(batch, rows, advantages[rows]))
+        if self.optim_cfg.name == "adamw":
+            torch.nn.utils.clip_grad_norm_([p for _, p in self.named], self.optim_cfg.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step_count += 1
+        self.steps_since_sync += 1
+        metrics = {**adv_metrics, **_mean_dicts(diag), **self._group_metrics(groups)}
+        decision = sync_decision(kl=metrics["kl_k3"], ess_frac=metrics["ess_frac"],
+                                 steps_since_sync=self.steps_since_sync, kappa=self.sync.kappa,
+                                 eta=self.sync.eta, max_staleness=self.sync.max_staleness)
+        if decision.publish:
+            self.version += 1
+            self.version_step[self.version] = self.step_count
+            self.steps_since_sync = 0
+        metrics["step_time_s"] = time.perf_counter() - started
+        metrics.update(self._sigma_metrics())
+        return StepResult(step=self.step_count, metrics=metrics,
+                          publish_version=self.version if decision.publish else None,
+                          publish_reason=decision.reason)
+
+    def _gradient_points(self, batch: _Batch) -> list[tuple[int | None, torch.Tensor]]:
+        """(seed, rows) pairs: where the gradient is taken and on which rollouts (the plan's rule)."""
+        everything = torch.arange(len(batch.slot_seeds))
+        match self.algo.exploration:
+            case "grpo":
+                return [(None, everything)]
+            case "c3po":  # a fresh θ̂′ per step, shared by the whole batch
+                return [(plan_seed(self.algo.seed, self.step_count, "gradient"), everything)]
+            case "b3po" | "m3po":  # each rollout's own sample: one Monte-Carlo sample per seed
+                seeds = sorted(set(batch.slot_seeds))
+                return [(s, torch.tensor([i for i, x in enumerate(batch.slot_seeds) if x == s]))
+                        for s in seeds]
+        raise ValueError(f"algo.exploration: unknown {self.algo.exploration!r}")
+
+    def _at(self, seed: int | None):
+        """Context placing the model at θ̂ = m + σ ⊙ z(seed) (IVON) or leaving it as it is (AdamW)."""
+        if self.optim_cfg.name == "ivon":
+            return self.opt.sampled_params(seed, train=True)
+        return contextlib.nullcontext()
+
+    def _backward(self, batch: _Batch, rows: torch.Tensor, advantages: torch.Tensor) -> dict:
+        """Loss on `rows` at the current weights; backward; return detached diagnostics."""
+        a = self.algo
+        out = self.model(input_ids=batch.input_ids[rows], attention_mask=batch.attn[rows])
+        logits = out.logits[:, :-1]
+        mask, behav = batch.mask[rows], batch.logp_behav[rows]
+        logp = losses.token_logprobs(logits, batch.targets[rows], self.temperature)
+        logp_old = logp.detach()  # one epoch, one mini-batch: the proximal policy is the current one
+        weights, mask_eff = self._is_weights(logp_old, behav, mask)
+        loss_tok, clip_metrics = losses.clipped_surrogate(
+            logp, logp_old, advantages, mask_eff, eps_low=a.eps_low, eps_high=a.eps_high,
+            dual_clip_c=a.dual_clip_c or None)
+        agg = dict(max_len=self.max_new_tokens)
+        loss = losses.aggregate_loss(loss_tok * weights, mask_eff, a.loss_agg, **agg)
+        if a.entropy_coef:
+            entropy = losses.entropy_from_logits(logits, self.temperature)
+            loss = loss - a.entropy_coef * losses.aggregate_loss(entropy, mask_eff, a.loss_agg, **agg)
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_logits = self.ref_model(input_ids=batch.input_ids[rows], attention_mask=batch.attn[rows]).logits
+            ref_logp = losses.token_logprobs(ref_logits[:, :-1], batch.targets[rows], self.temperature)
+            kl = losses.kl_penalty(logp, ref_logp, a.kl_estimator)
+            loss = loss + a.kl_coef * losses.aggregate_loss(kl, mask_eff, a.loss_agg, **agg)
+        loss.backward()
+        seq_log_w = ((logp_old - behav) * mask).sum(dim=1)
+        return {"loss": float(loss.detach()), "kl_k3": float(off_policy.kl_k3(logp_old, behav, mask)),
+                "ess_frac": float(off_policy.kish_ess_fraction(seq_log_w)),
+                "is_weight_mean": float((weights.sum(1) / mask.sum(1).clamp(min=1)).mean()),
+                **{k: float(v) for k, v in clip_metrics.items()}}
+
+    def _is_weights(self, logp_old: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor):
+        """Detached importance weights [b, T] and the effective loss mask (rejection removes tokens)."""
+        a = self.algo
+        match a.is_correction:
+            case "none":
+                return mask.to(logp_old.dtype), mask
+            case "token_tis":
+                return off_policy.token_is_weights(logp_old, behav, mask, cap=a.is_cap), mask
+            case "seq_tis":
+                w = off_policy.seq_is_weights(logp_old, behav, mask, cap=a.is_cap)
+                return w[:, None] * mask, mask
+            case "seq_mis":
+                w, keep = off_policy.seq_mis_weights(logp_old, behav, mask, cap=a.is_cap)
+                keep_tok = mask * keep.to(mask.dtype)[:, None]
+                return w[:, None] * keep_tok, keep_tok
+        raise ValueError(f"algo.is_correction: unknown {a.is_correction!r}")
+
+    def _advantages(self, batch: _Batch, groups: Sequence[Group]) -> tuple[torch.Tensor, dict]:
+        """Per-rollout advantages [B] from the [B/G, G] reward matrix (the configured estimator)."""
+        a, rewards = self.algo, batch.rewards
+        if a.advantage == "lampo":
+            sem = torch.stack([rouge_l_rewards([s.completion.text for s in g.completions], g.item.solution)
+                               if g.item.solution else torch.zeros(len(g.completions), dtype=torch.float64)
+                               for g in groups]).to(rewards.dtype)
+            rewards = adv_math.combined_reward(rewards, sem, a.lampo_lam_sem)
+            seq_logp = adv_math.sequence_logprob(batch.logp_behav, batch.mask, a.lampo_seq_logp)
+            advantages = adv_math.lampo_advantages(rewards, seq_logp.view_as(rewards), tau=a.lampo_tau)
+        elif a.advantage == "dr_grpo":
+            advantages = adv_math.dr_grpo_advantages(rewards)
+        else:
+            advantages = adv_math.grpo_advantages(rewards)
+        zero = adv_math.zero_advantage_groups(rewards)
+        rescued = adv_math.rescued_groups(batch.rewards, batch.slots)
+        return advantages.reshape(-1).float(), {
+            "reward_mean": float(batch.rewards.mean()), "advantage_mean": float(advantages.mean()),
+            "zero_adv_frac": float(zero.float().mean()), "rescued_groups": float(rescued.sum())}
+
+    # ---- batching ---------------------------------------------------------------------------
+    def _collate(self, groups: Sequence[Group]) -> _Batch:
+        """Right-padded sequences with behaviour log-probs aligned to next-token targets."""
+        sizes = {len(g.completions) for g in groups}
+        if len(sizes) != 1:
+            raise ValueError(f"groups: expected one group size, got sizes {sorted(sizes)}")
+        rows = [s.completion for g in groups for s in g.completions]
+        bad = [c.completion_id for g in groups for s in g.completions if s.result.status is VerifyStatus.INFRA_ERROR
+               for c in [s.completion]]
+        if bad:
+            raise ValueError(f"infra_error results must never reach the learner: {bad[:3]}")
+        width = max(len(c.prompt_ids) + len(c.token_ids) for c in rows)
+        input_ids = torch.zeros((len(rows), width), dtype=torch.long)
+        attn = torch.zeros_like(input_ids)
+        logp_behav = torch.zeros((len(rows), width - 1), dtype=torch.float32)
+        mask = torch.zeros_like(logp_behav)
+        for r, c in enumerate(rows):
+            p, n = len(c.prompt_ids), len(c.token_ids)
+            input_ids[r, :p + n] = torch.tensor(c.prompt_ids + c.token_ids)
+            attn[r, :p + n] = 1
+            logp_behav[r, p - 1:p - 1 + n] = torch.tensor(c.logprobs)
+            mask[r, p - 1:p - 1 + n] = 1
+        g = len(groups[0].completions)
+        rewards = torch.tensor([s.result.reward for grp in groups for s in grp.completions],
+                               dtype=torch.float64).view(-1, g)
+        slots = torch.tensor([c.slot for c in rows]).view(-1, g)
+        return _Batch(input_ids, attn, input_ids[:, 1:], mask, logp_behav, rewards, slots,
+                      [c.slot_seed for c in rows])
+
+    def _group_metrics(self, groups: Sequence[Group]) -> dict[str, float]:
+        statuses = Counter(s.result.status.value for g in groups for s in g.completions)
+        total = sum(statuses.values())
+        staleness = [self.step_count - 1 - g.published_step for g in groups]
+        return {"malformed_rate": statuses.get("malformed", 0) / total,
+                "staleness_mean": float(np.mean(staleness)), "staleness_max": float(max(staleness)),
+                "completion_tokens": float(sum(len(s.completion.token_ids) for g in groups for s in g.completions))}
+
+    def _sigma_metrics(self) -> dict[str, float]:
+        if self.optim_cfg.name != "ivon":
+            return {}
+        return {f"sigma_{k}": float(v) for k, v in self.opt.sigma_percentiles().items()}
+
+    # ---- publishing and checkpoints -----------------------------------------------------------
+    def published(self) -> PublishedVersion:
+        """The current version's mean and σ as fp32 numpy (what the posterior server stores)."""
+        if self.optim_cfg.name == "ivon":
+            mean = {n: t.numpy().copy() for n, t in self.opt.mean_by_name().items()}
+            sigma = {n: t.numpy().copy() for n, t in self.opt.sigma_by_name().items()}
+        else:
+            mean = {n: p.detach().float().numpy().copy() for n, p in self.named}
+            sigma = None
+        return PublishedVersion(version=self.version, learner_step=self.version_step[self.version],
+                                reason="", mean=mean, sigma=sigma)
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Tensors and metadata of everything needed to continue exactly (checkpoint)."""
+        meta = {"step": self.step_count, "version": self.version, "steps_since_sync": self.steps_since_sync,
+                "version_step": {str(k): v for k, v in self.version_step.items()}, "optim": self.optim_cfg.name}
+        if self.optim_cfg.name == "ivon":
+            tensors, ivon_meta = self.opt.export_state()
+            return tensors, {**meta, "ivon": ivon_meta}
+        tensors = {f"param/{n}": p.detach().clone() for n, p in self.named}
+        opt_state = self.opt.state_dict()
+        for i, st in opt_state["state"].items():
+            for k, v in st.items():
+                tensors[f"adamw/{i}/{k}"] = v.clone() if torch.is_tensor(v) else torch.tensor(v)
+        return tensors, meta
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        self.step_count, self.version = meta["step"], meta["version"]
+        self.steps_since_sync = meta["steps_since_sync"]
+        self.version_step = {int(k): v for k, v in meta["version_step"].items()}
+        if self.optim_cfg.name == "ivon":
+            self.opt.load_exported_state(tensors, meta["ivon"])
+            return
+        with torch.no_grad():
+            for n, p in self.named:
+                p.copy_(tensors[f"param/{n}"])
+        state = {"state": {}, "param_groups": self.opt.state_dict()["param_groups"]}
+        for key, v in tensors.items():
+            if key.startswith("adamw/"):
+                _, i, k = key.split("/")
+                state["state"].setdefault(int(i), {})[k] = v
+        self.opt.load_state_dict(state)
+
+
+def _mean_dicts(dicts: list[dict]) -> dict[str, float]:
+    return {k: float(np.mean([d[k] for d in dicts])) for k in dicts[0]}

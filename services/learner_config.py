@@ -1,0 +1,133 @@
+"""Configuration of the learner: the algorithm (exploration × advantage × correction), the
+optimizer (IVON or AdamW) and the sync budget. Each is a frozen dataclass with a docstring per field;
+contradictory combinations are rejected by `check_combination` before anything starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    """What is optimised. Any exploration composes with any advantage, correction and loss."""
+
+    exploration: Literal["grpo", "b3po", "m3po", "c3po"] = "c3po"
+    """Parameter-space exploration (algorithms.md §2): grpo = no noise (σ = 0); b3po = one posterior
+    sample per version; m3po = M samples, each its own group; c3po = N samples sharing one group,
+    gradient at a fresh sample θ̂′."""
+    advantage: Literal["grpo", "dr_grpo", "lampo"] = "grpo"
+    """Advantage estimator: std-normalised (grpo), mean-centred (dr_grpo), pairwise (lampo, §4.1)."""
+    group_size: int = 16
+    """Rollouts in one advantage group (G)."""
+    n_slots: int = 4
+    """Perturbation slots per version: N of C3PO, M of M3PO (1 for grpo and b3po)."""
+    equal_compute: bool = True
+    """M3PO only: G/M rollouts per slot (true) or G per slot (false, M× the rollouts)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                      "seq-mean-token-sum-norm"] = "token-mean"
+    """Loss aggregation (§0.2); Dr.GRPO pairs with seq-mean-token-sum-norm."""
+    eps_low: float = 0.2
+    """PPO clip range below 1."""
+    eps_high: float = 0.2
+    """PPO clip range above 1 (clip-higher baseline: 0.28 to 0.5)."""
+    dual_clip_c: float = 0.0
+    """Dual clip constant c > 1 for negative advantages (0 = off)."""
+    is_correction: Literal["none", "token_tis", "seq_tis", "seq_mis"] = "seq_tis"
+    """Off-policy correction against each rollout's own behaviour log-probs (§5.6)."""
+    is_cap: float = 2.0
+    """Truncation / rejection threshold C of the importance weights."""
+    entropy_coef: float = 0.0
+    """Entropy bonus c_H (action-space baseline: 5e-3)."""
+    kl_coef: float = 0.0
+    """KL penalty β to the reference (initial) policy."""
+    kl_estimator: Literal["k1", "k2", "k3", "k1+", "k2+", "k3+"] = "k3"
+    """KL estimator of the penalty (§0.3)."""
+    lampo_tau: float = 1.5
+    """LamPO temperature τ of the pairwise confidence weight."""
+    lampo_seq_logp: Literal["sum", "mean"] = "sum"
+    """LamPO sequence log-prob: summed or length-normalised behaviour log-probs."""
+    lampo_lam_sem: float = 0.1
+    """LamPO λ_sem: weight of the ROUGE-L reward against the item's reference solution."""
+    vp2o: bool = False
+    """VP2O Stein updates over MoE experts (needs model.kind = moe)."""
+    seed: int = 0
+    """Seed of the learner's fresh gradient samples θ̂′."""
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            raise ValueError(f"algo.group_size: expected >= 2 (a baseline needs two), got {self.group_size}")
+        if self.n_slots < 1:
+            raise ValueError(f"algo.n_slots: expected >= 1, got {self.n_slots}")
+        if self.exploration in ("grpo", "b3po") and self.n_slots != 1:
+            raise ValueError(f"algo.n_slots={self.n_slots}: {self.exploration} uses one slot; set algo.n_slots=1")
+        divides = self.exploration == "c3po" or (self.exploration == "m3po" and self.equal_compute)
+        if divides and self.group_size % self.n_slots:
+            raise ValueError(f"algo.group_size={self.group_size}: expected a multiple of algo.n_slots="
+                             f"{self.n_slots} for {self.exploration}")
+        if self.is_cap <= 1.0 and self.is_correction != "none":
+            raise ValueError(f"algo.is_cap: expected > 1, got {self.is_cap}")
+        if self.dual_clip_c and self.dual_clip_c <= 1.0:
+            raise ValueError(f"algo.dual_clip_c: expected 0 (off) or > 1, got {self.dual_clip_c}")
+        if self.lampo_tau <= 0:
+            raise ValueError(f"algo.lampo_tau: expected > 0, got {self.lampo_tau}")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """The optimizer of the learner's training copy. Defaults are tuned for the 0.5M-parameter
+    embedded default (feasibility.md: λ = 1e5, h0 = 0.1 → σ ≈ 0.01, lr 10 rescaled, ξ = 3e-5)."""
+
+    name: Literal["ivon", "adamw"] = "ivon"
+    """ivon (a posterior: needed by b3po/m3po/c3po) or adamw (the GRPO baseline)."""
+    lr: float = 10.0
+    """Learning rate (IVON: rescaled by h0 + δ when rescale_lr)."""
+    ess: float = 1e5
+    """IVON effective sample size λ (weight-space temperature: smaller = more noise)."""
+    hess_init: float = 0.1
+    """IVON initial Hessian h0."""
+    beta1: float = 0.9
+    """Momentum coefficient (IVON and AdamW)."""
+    beta2: float = 0.9999
+    """IVON Hessian EMA / AdamW second-moment coefficient."""
+    weight_decay: float = 1e-6
+    """IVON prior precision δ per unit ESS / AdamW decoupled weight decay."""
+    clip_radius: float = 3e-5
+    """IVON elementwise clip ξ of the preconditioned step."""
+    rescale_lr: bool = True
+    """IVON: effective α = lr · (h0 + δ)."""
+    grad_clip: float = 1.0
+    """AdamW gradient-norm clip (IVON: not applied; see algorithms.md §1.5 item 6)."""
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "ess", "hess_init", "clip_radius"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"optim.{name}: expected > 0, got {getattr(self, name)}")
+        if not (0 <= self.beta1 < 1 and 0 < self.beta2 < 1):
+            raise ValueError("optim.beta1, optim.beta2: expected in [0, 1)")
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """The sync budget (algorithms.md §3.7): when the learner publishes a new version."""
+
+    kappa: float = 0.05
+    """Publish when KL(behaviour ‖ current) (k3, per token) exceeds κ."""
+    eta: float = 0.5
+    """Publish when the Kish ESS fraction of the sequence importance weights falls below η."""
+    max_staleness: int = 1
+    """Publish after this many learner steps without a publish (1 = every step)."""
+
+    def __post_init__(self) -> None:
+        if self.kappa <= 0 or not 0 < self.eta <= 1 or self.max_staleness < 1:
+            raise ValueError("sync.kappa > 0, sync.eta in (0, 1] and sync.max_staleness >= 1 expected")
+
+
+def check_combination(algo: AlgoConfig, optim: OptimConfig, model_kind: str) -> None:
+    """Reject combinations that cannot work, naming the keys to change."""
+    if algo.exploration != "grpo" and optim.name != "ivon":
+        raise ValueError(f"algo.exploration={algo.exploration} samples policies from the IVON posterior: "
+                         f"set optim.name=ivon (got {optim.name})")
+    if algo.vp2o and model_kind != "moe":
+        raise ValueError("algo.vp2o=true needs a mixture-of-experts model: set model.kind=moe")
