@@ -63,7 +63,8 @@ def _line_panel(records: list[dict[str, Any]], keys: tuple[str, ...]) -> Callabl
         for key in keys:
             xs, ys = _series(records, key)
             if xs:
-                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key)
+                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3,
+                        label=key.removeprefix(TOKENS_PREFIX))
         if len(keys) > 1:
             ax.legend(fontsize="small")
     return draw
@@ -86,7 +87,7 @@ def _sync_panel(records: list[dict[str, Any]]) -> Callable[[Any], None]:
         ax.set_xlim(min(xs_all), max(xs_all) if max(xs_all) > min(xs_all) else min(xs_all) + 1)
         ax.set_yticks([])
         if reasons:
-            ax.legend(fontsize="small", title="reason", title_fontsize="small")
+            ax.legend(fontsize="small", title="reason", title_fontsize="small", framealpha=0.95)
         else:
             ax.text(0.5, 0.5, "no sync events", transform=ax.transAxes, ha="center", va="center")
     return draw
