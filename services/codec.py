@@ -26,7 +26,7 @@ import struct
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgpack
 import numpy as np
@@ -160,7 +160,7 @@ class RolloutLog:
         self.fsync = fsync
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            good_end, _ = _scan(self.path)
+            good_end = _scan(self.path)
             if good_end < self.path.stat().st_size:
                 log.warning("RolloutLog %s: cutting a torn last record at byte %d (file had %d bytes)",
                             self.path, good_end, self.path.stat().st_size)
@@ -185,32 +185,35 @@ class RolloutLog:
 
     @staticmethod
     def read(path: str | os.PathLike) -> Iterator[Any]:
-        """Yield every complete record of the log at `path`; a torn last record is logged and skipped."""
+        """Yield every complete record of the log at `path`, streaming; a torn last record is
+        logged and skipped."""
         with open(path, "rb") as f:
-            data = f.read()
-        for start, end in _records(data, Path(path)):
-            yield decode(data[start:end])
+            for _, payload in _records(f, Path(path)):
+                yield decode(payload)
 
 
-def _records(data: bytes, path: Path) -> Iterator[tuple[int, int]]:
-    """(start, end) of each complete payload in `data`; stops with a warning at a torn tail."""
+def _records(f: BinaryIO, path: Path) -> Iterator[tuple[int, bytes]]:
+    """(end offset, payload) of each complete record in `f`; stops with a warning at a torn tail."""
+    size = os.fstat(f.fileno()).st_size
     offset, count = 0, 0
-    while offset < len(data):
-        if offset + _HEADER.size > len(data):
+    while offset < size:
+        header = f.read(_HEADER.size)
+        if len(header) < _HEADER.size:
             _report_torn(path, offset, count, "header cut short")
             return
-        length, crc = _HEADER.unpack_from(data, offset)
-        start, end = offset + _HEADER.size, offset + _HEADER.size + length
-        if end > len(data):
+        length, crc = _HEADER.unpack(header)
+        payload = f.read(length)
+        end = offset + _HEADER.size + length
+        if len(payload) < length:
             _report_torn(path, offset, count, f"payload of {length} bytes cut short")
             return
-        if zlib.crc32(data[start:end]) != crc:
-            if end == len(data):
+        if zlib.crc32(payload) != crc:
+            if end == size:
                 _report_torn(path, offset, count, "CRC mismatch in the last record")
                 return
             raise ValueError(f"RolloutLog {path}: record {count} at byte {offset} fails its CRC check "
                              "and is not the last record: the file is corrupt")
-        yield start, end
+        yield end, payload
         offset, count = end, count + 1
 
 
@@ -219,10 +222,10 @@ def _report_torn(path: Path, offset: int, count: int, why: str) -> None:
                 path, offset, why, count)
 
 
-def _scan(path: Path) -> tuple[int, int]:
-    """(end of the last complete record, number of complete records) of the log at `path`."""
-    data = path.read_bytes()
-    end, count = 0, 0
-    for _, end in _records(data, path):
-        count += 1
-    return end, count
+def _scan(path: Path) -> int:
+    """End offset of the last complete record of the log at `path`."""
+    end = 0
+    with open(path, "rb") as f:
+        for end, _ in _records(f, path):
+            pass
+    return end

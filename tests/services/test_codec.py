@@ -114,7 +114,8 @@ def test_wrong_schema_version_names_both_versions():
     envelope = msgpack.unpackb(encode(ITEM), raw=False, ext_hook=msgpack.ExtType)
     envelope["schema"] = SCHEMA_VERSION + 1
     data = msgpack.packb(envelope, use_bin_type=True)
-    with pytest.raises(ValueError, match=rf"schema version {SCHEMA_VERSION + 1}.*reads schema version {SCHEMA_VERSION}"):
+    wanted = rf"TaskItem record has schema version {SCHEMA_VERSION + 1}.*reads schema version {SCHEMA_VERSION}"
+    with pytest.raises(ValueError, match=wanted):
         decode(data)
 
 
