@@ -1,0 +1,135 @@
+"""Exploration plans as data: which perturbed policies serve a posterior version, which rollouts
+form an advantage group, and where the learner takes the gradient (algorithms.md §2.2, §2.3, §2.5;
+architecture.md "Posterior server").
+
+A plan is a frozen `ExplorationPlan` of `Slot`s. Each slot is one policy θ̂ = m + σ ⊙ z(seed): seed
+None is the clean mean (σ = 0). For one prompt, every slot produces `rollouts_per_slot` rollouts;
+`group_of(slot)` says which of the prompt's `groups_per_prompt` advantage groups (each of
+`group_size` rollouts) they join:
+
+| kind | slots | rollouts per slot | groups per prompt × group size | gradient at |
+|------|-------|-------------------|--------------------------------|-------------|
+| grpo | 1, seed None | G | 1 × G | mean (σ = 0) |
+| b3po | 1 seeded | G | 1 × G | rollout_sample (the slot's own θ̂) |
+| m3po | M seeded | G/M (equal compute) or G | M × (G/M) or M × G, a group per slot | rollout_sample |
+| c3po | N seeded | G/N | 1 × G shared by all slots | fresh_sample θ̂′ (gradient_seed) |
+
+Seeds come from a stable hash of (base_seed, version, slot) (`param_noise.tensor_seed`, blake2b),
+so every process derives the same plan. A "rollout_sample" gradient reproduces the engine's θ̂
+exactly only while the learner's (m, h) equal the version's.
+
+Not here: the noise itself (param_noise.py), advantages (advantages.py), scheduling of slots on
+engines (the driver). Action-space baselines (temperature, entropy bonus, clip-higher, KL-Cov) are
+loss settings, not plans: see losses.py.
+Departures: none from §2; the table's names (kind, gradient_at) are ours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from threepo.algorithms.param_noise import tensor_seed
+
+KINDS = ("grpo", "b3po", "m3po", "c3po")
+GRADIENT_AT = ("mean", "rollout_sample", "fresh_sample")
+# where each kind takes its gradient (§2.2): at m, at the rollout's own θ̂_k, or at a fresh θ̂′
+_GRADIENT_OF_KIND = {"grpo": "mean", "b3po": "rollout_sample", "m3po": "rollout_sample",
+                     "c3po": "fresh_sample"}
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One perturbation slot of a plan: θ̂ = m + σ ⊙ z(seed); `seed=None` is the clean mean."""
+
+    index: int
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class ExplorationPlan:
+    """Slots, grouping and gradient point of one posterior version (§2.2; table in module doc).
+
+    `group_size` is the size of one advantage group; `gradient_seed` is the seed of θ̂′ when
+    gradient_at="fresh_sample" (C3PO) and None otherwise (B3PO and M3PO take the gradient at each
+    rollout's own recorded slot seed; GRPO at the mean).
+    """
+
+    kind: str
+    version: int
+    slots: tuple[Slot, ...]
+    rollouts_per_slot: int
+    group_size: int
+    groups_per_prompt: int
+    gradient_at: str
+    gradient_seed: int | None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.gradient_at != _GRADIENT_OF_KIND[self.kind]:
+            raise ValueError(f"gradient_at must be {_GRADIENT_OF_KIND[self.kind]!r} for {self.kind}, "
+                             f"got {self.gradient_at!r}")
+        if (self.gradient_seed is not None) != (self.gradient_at == "fresh_sample"):
+            raise ValueError(f"gradient_seed is set exactly for fresh_sample, got {self.gradient_seed}")
+        if not self.slots or tuple(s.index for s in self.slots) != tuple(range(len(self.slots))):
+            raise ValueError(f"slots must be indexed 0..n-1, got {[s.index for s in self.slots]}")
+        if any((s.seed is None) != (self.kind == "grpo") for s in self.slots):
+            need = "seed None (σ = 0)" if self.kind == "grpo" else "a seed"
+            raise ValueError(f"every slot of {self.kind} must have {need}, got {self.slots}")
+        if self.groups_per_prompt != (len(self.slots) if self.kind == "m3po" else 1):
+            raise ValueError(f"groups_per_prompt={self.groups_per_prompt} does not fit {self.kind} "
+                             f"with {len(self.slots)} slots")
+        if len(self.slots) * self.rollouts_per_slot != self.groups_per_prompt * self.group_size:
+            raise ValueError(
+                f"slots × rollouts_per_slot = {len(self.slots)} × {self.rollouts_per_slot} must equal "
+                f"groups_per_prompt × group_size = {self.groups_per_prompt} × {self.group_size}")
+
+    @property
+    def rollouts_per_prompt(self) -> int:
+        """Rollouts generated per prompt over all slots (= groups_per_prompt × group_size)."""
+        return len(self.slots) * self.rollouts_per_slot
+
+    def group_of(self, slot_index: int) -> int:
+        """Index (within its prompt) of the advantage group that slot `slot_index`'s rollouts join:
+        its own index when every slot is its own group (M3PO), else 0 (GRPO, B3PO, C3PO)."""
+        if not 0 <= slot_index < len(self.slots):
+            raise ValueError(f"slot_index must be in [0, {len(self.slots)}), got {slot_index}")
+        return slot_index if self.kind == "m3po" else 0
+
+
+def plan_seed(base_seed: int, version: int, label: str) -> int:
+    """Stable 63-bit seed of one plan entry: blake2b(base_seed, "v<version>/<label>"); label is
+    "slot<i>" for slot i and "gradient" for C3PO's θ̂′. Never Python's per-process `hash`."""
+    return tensor_seed(base_seed, f"v{version}/{label}")
+
+
+def make_plan(kind: str, *, version: int, base_seed: int, group_size: int, n_slots: int,
+              equal_compute: bool = True) -> ExplorationPlan:
+    """The plan of posterior version `version` for one 3PO variant or GRPO (§2.2, §2.3, §2.5).
+
+    `group_size` is G, the effective rollouts per prompt; `n_slots` is 1 for grpo/b3po, M for
+    m3po, N for c3po. `equal_compute=False` is M3PO's unconstrained mode (G rollouts per slot).
+    Raises ValueError naming the offending argument.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if version < 0:
+        raise ValueError(f"version must be >= 0, got {version}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if n_slots < 1:
+        raise ValueError(f"n_slots must be >= 1, got {n_slots}")
+    if kind in ("grpo", "b3po") and n_slots != 1:
+        raise ValueError(f"n_slots must be 1 for {kind}, got {n_slots}")
+    if not equal_compute and kind != "m3po":
+        raise ValueError(f"equal_compute=False applies to m3po only, got kind={kind!r}")
+    if equal_compute and group_size % n_slots:
+        raise ValueError(f"group_size={group_size} must be divisible by n_slots={n_slots} for {kind}")
+    seeds = [None] if kind == "grpo" else [plan_seed(base_seed, version, f"slot{i}") for i in range(n_slots)]
+    slots = tuple(Slot(i, s) for i, s in enumerate(seeds))
+    per_slot = group_size // n_slots if equal_compute else group_size
+    groups = n_slots if kind == "m3po" else 1
+    grad_seed = plan_seed(base_seed, version, "gradient") if kind == "c3po" else None
+    return ExplorationPlan(kind=kind, version=version, slots=slots, rollouts_per_slot=per_slot,
+                           group_size=n_slots * per_slot // groups, groups_per_prompt=groups,
+                           gradient_at=_GRADIENT_OF_KIND[kind], gradient_seed=grad_seed)

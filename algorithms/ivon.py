@@ -1,0 +1,279 @@
+"""IVON, the diagonal Gaussian posterior q(θ) = N(m, σ²) over the weights (algorithms.md §1).
+
+What this is: the update of §1.2 re-derived from its formulas (ivon-opt is GPL-3.0; nothing here is
+copied from it or imports it) as pure tensor functions, and `IVON`, a torch optimizer built on them.
+Its state (fp32 mean m, Hessian h, momentum g_m; the step count t in the param group) is keyed by
+parameter name and exports to the layout of §1.6. A sample θ̂ = m + σ ⊙ z is written with
+`param_noise.perturbed`, so the θ̂ of a seed is exactly the one a sampler engine builds.
+
+What this is not: no collectives (a distributed learner all-reduces `sample_averages()` in place
+before `step()`), no schedule (set `param_groups[0]["lr"]`), no file I/O (`export_state` returns
+tensors and a JSON-able dict), no closure-driven MC loop.
+
+Departures from ivon-opt 0.1.3 (§1.5), each deliberate:
+- gradients are zeroed between MC samples (§1.5 item 10 [OURS]); a `.grad` of None counts as zeros
+  (unrouted MoE experts, §1.5 item 1);
+- state and the mean are fp32 whatever the parameter dtype; m lives in the state and p.data is a
+  copy of it, restored with `copy_` in a `finally` (never rebound, never by subtracting noise);
+- z is drawn per tensor from (seed, name) by a CPU generator, not one flat randn, and ε = σ ⊙ z is
+  regenerated when the sample is folded in rather than stored (§1.5 item 5, §1.6);
+- a training sample with `seed=None` has ε = 0, so its Price Hessian estimate is exactly 0;
+- the step count lives in the param group, so `state_dict()` and `export_state()` both carry it;
+- constructor defaults are the project's system defaults (§7, the 3PO values), not ivon-opt's;
+- `load_exported_state` takes the hyperparameters from the constructor (the config owns them); the
+  exported ones are informational, for the posterior server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+
+from threepo.algorithms.param_noise import noise_like, perturbed, posterior_sigma
+
+HESS_APPROX = ("price", "gradsq")
+_STATE_KINDS = ("mean", "hess", "momentum")
+_HYPER = ("lr", "ess", "hess_init", "beta1", "beta2", "weight_decay", "clip_radius", "rescale_lr",
+          "debias", "hess_approx")
+
+
+def price_hessian_estimate(avg_nxg: torch.Tensor, hess: torch.Tensor, ess: float,
+                           weight_decay: float) -> torch.Tensor:
+    """ĥ = λ (h + δ) ⊙ mean_k(ε_k ⊙ ĝ_k)   (§1.2, 'price'; = ĝ ⊙ (θ̂ − m) / σ² by Price/Bonnet).
+
+    Shapes: avg_nxg [*], hess [*] -> [*]. Often negative for a single sample; see `hessian_update`.
+    """
+    return ess * (hess + weight_decay) * avg_nxg
+
+
+def gradsq_hessian_estimate(avg_gsq: torch.Tensor, ess: float) -> torch.Tensor:
+    """ĥ = λ · mean_k(ĝ_k ⊙ ĝ_k)   (§1.2, hess_approx='gradsq'). Shapes: [*] -> [*], always ≥ 0."""
+    return ess * avg_gsq
+
+
+def hessian_update(hess: torch.Tensor, hess_est: torch.Tensor, beta2: float,
+                   weight_decay: float) -> torch.Tensor:
+    """h ← β2 h + (1 − β2) ĥ + ½ (1 − β2)² (h − ĥ)² / (h + δ)   (§1.2; old h on the right).
+
+    Positivity: with a = 1 − β2, H = h + δ > 0, x = a (ĥ − h) / H the result satisfies
+    h_new + δ = H (1 + (1 + x)²) / 2 ≥ H / 2 > 0 for ĥ of any sign or size.
+    Shapes: hess [*], hess_est [*] -> [*].
+    """
+    a = 1.0 - beta2
+    return beta2 * hess + a * hess_est + 0.5 * a * a * (hess - hess_est) ** 2 / (hess + weight_decay)
+
+
+def momentum_update(momentum: torch.Tensor, grad: torch.Tensor, beta1: float) -> torch.Tensor:
+    """g_m ← β1 g_m + (1 − β1) ḡ   (§1.2; ḡ the mean gradient over the K samples). [*] -> [*]."""
+    return beta1 * momentum + (1.0 - beta1) * grad
+
+
+def mean_step(mean: torch.Tensor, momentum: torch.Tensor, hess: torch.Tensor, *, lr: float,
+              step: int, beta1: float, weight_decay: float, hess_init: float, clip_radius: float,
+              rescale_lr: bool, debias: bool) -> torch.Tensor:
+    """m ← m − α · clip((g_m / b + δ m) / (h + δ), −ξ, ξ)   (§1.2; g_m and h already updated).
+
+    α = lr (h0 + δ) if rescale_lr else lr;  b = 1 − β1^t if debias else 1;  t = `step` ≥ 1.
+    Shapes: mean, momentum, hess [*] -> new mean [*].
+    """
+    assert step >= 1, f"step counts from 1 after the first update, got {step}"
+    alpha = lr * (hess_init + weight_decay) if rescale_lr else lr
+    debias_b = 1.0 - beta1**step if debias else 1.0
+    direction = (momentum / debias_b + weight_decay * mean) / (hess + weight_decay)
+    return mean - alpha * direction.clamp(-clip_radius, clip_radius)
+
+
+def _check_hyper(lr, ess, hess_init, beta1, beta2, weight_decay, clip_radius, hess_approx) -> None:
+    checks = [("lr", lr, lr >= 0), ("ess", ess, ess > 0),
+              ("hess_init", hess_init, hess_init >= 0 and hess_init + weight_decay > 0),
+              ("beta1", beta1, 0 <= beta1 < 1), ("beta2", beta2, 0 <= beta2 <= 1),
+              ("weight_decay", weight_decay, weight_decay >= 0),
+              ("clip_radius", clip_radius, clip_radius > 0),
+              ("hess_approx", hess_approx, hess_approx in HESS_APPROX)]
+    for name, value, ok in checks:
+        if not ok:
+            raise ValueError(f"IVON: invalid {name}={value!r}")
+
+
+class IVON(torch.optim.Optimizer):
+    """IVON as a torch optimizer over named parameters; state keyed by name (§1.2, §1.6).
+
+    Use: for each of K samples, `with opt.sampled_params(seed): loss.backward()`; then `opt.step()`.
+    """
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], *, lr: float, ess: float,
+                 hess_init: float = 1e-3, beta1: float = 0.9, beta2: float = 0.9999,
+                 weight_decay: float = 1e-6, clip_radius: float = 1e-3, rescale_lr: bool = True,
+                 debias: bool = True, hess_approx: str = "price") -> None:
+        _check_hyper(lr, ess, hess_init, beta1, beta2, weight_decay, clip_radius, hess_approx)
+        named_params = list(named_params)
+        names = [name for name, _ in named_params]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"IVON needs at least one parameter and unique names, got {names[:8]}")
+        defaults = dict(lr=lr, ess=ess, hess_init=hess_init, beta1=beta1, beta2=beta2,
+                        weight_decay=weight_decay, clip_radius=clip_radius, rescale_lr=rescale_lr,
+                        debias=debias, hess_approx=hess_approx, step=0)
+        super().__init__(named_params, defaults)
+        for name, p in self._named():
+            mean = p.detach().to(torch.float32, copy=True)
+            self.state[name] = {"mean": mean, "hess": torch.full_like(mean, hess_init),
+                                "momentum": torch.zeros_like(mean)}
+        self._reset_samples()
+
+    def _named(self) -> Iterator[tuple[str, torch.Tensor]]:
+        assert len(self.param_groups) == 1, "IVON keeps one parameter group (λ and δ are global)"
+        group = self.param_groups[0]
+        return zip(group["param_names"], group["params"])
+
+    def _reset_samples(self) -> None:
+        self._count = 0
+        self._avg: dict[str, dict[str, torch.Tensor]] = {}
+
+    def _sigma(self, name: str) -> torch.Tensor:
+        group = self.param_groups[0]
+        return posterior_sigma(self.state[name]["hess"], group["ess"], group["weight_decay"])
+
+    @contextlib.contextmanager
+    def sampled_params(self, seed: int | None, train: bool = True) -> Iterator[None]:
+        """Write θ̂ = m + σ ⊙ z(seed, name) into p.data (cast to its dtype), yield, restore m.
+
+        With train=True the gradients left by the body are folded into the running (Welford)
+        means ḡ = mean_k ĝ_k and mean_k ε_k ⊙ ĝ_k (or ĝ_k²), then zeroed (§1.2). If the body
+        raises, nothing is accumulated; p.data is restored from the fp32 mean in every case.
+        """
+        try:
+            with torch.no_grad():
+                for name, p in self._named():
+                    p.copy_(perturbed(self.state[name]["mean"], self._sigma(name), seed, name))
+            yield
+            if train:
+                self._accumulate(seed)
+                self.zero_grad(set_to_none=True)
+        finally:
+            with torch.no_grad():
+                for name, p in self._named():
+                    p.copy_(self.state[name]["mean"])
+
+    @torch.no_grad()
+    def _accumulate(self, seed: int | None) -> None:
+        self._count += 1
+        second = "nxg" if self.param_groups[0]["hess_approx"] == "price" else "gsq"
+        for name, p in self._named():
+            mean = self.state[name]["mean"]
+            grad = torch.zeros_like(mean) if p.grad is None else p.grad.detach().to(torch.float32)
+            if second == "gsq":
+                moment = grad * grad
+            elif seed is None:
+                moment = torch.zeros_like(mean)
+            else:
+                moment = self._sigma(name) * noise_like(seed, name, mean.shape).to(mean.device) * grad
+            avg = self._avg.setdefault(name, {"grad": torch.zeros_like(mean), second: torch.zeros_like(mean)})
+            # Welford running mean: avg += (x - avg) / k, exact for any K without storing samples
+            avg["grad"].add_(grad - avg["grad"], alpha=1.0 / self._count)
+            avg[second].add_(moment - avg[second], alpha=1.0 / self._count)
+
+    def sample_averages(self) -> dict[str, torch.Tensor]:
+        """The live K-sample means, {'grad/<name>', 'nxg/<name>' or 'gsq/<name>'}: fp32 [shape].
+        A data-parallel learner all-reduces (averages) these in place before `step()`."""
+        return {f"{kind}/{name}": t for name, avg in self._avg.items() for kind, t in avg.items()}
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        """One posterior update from the accumulated samples (§1.2), then reset the accumulators:
+        t ← t+1; g_m ← momentum_update; h ← hessian_update(ĥ); m ← mean_step; p.data ← m."""
+        if closure is not None:
+            raise ValueError("IVON.step takes no closure: run each sample inside sampled_params()")
+        if self._count == 0:
+            raise RuntimeError("IVON.step() without a gradient sample: backward inside sampled_params(seed)")
+        group = self.param_groups[0]
+        group["step"] += 1
+        for name, p in self._named():
+            st, avg = self.state[name], self._avg[name]
+            st["momentum"] = momentum_update(st["momentum"], avg["grad"], group["beta1"])
+            if group["hess_approx"] == "price":
+                est = price_hessian_estimate(avg["nxg"], st["hess"], group["ess"], group["weight_decay"])
+            else:
+                est = gradsq_hessian_estimate(avg["gsq"], group["ess"])
+            st["hess"] = hessian_update(st["hess"], est, group["beta2"], group["weight_decay"])
+            st["mean"] = mean_step(
+                st["mean"], st["momentum"], st["hess"], lr=group["lr"], step=group["step"],
+                beta1=group["beta1"], weight_decay=group["weight_decay"], hess_init=group["hess_init"],
+                clip_radius=group["clip_radius"], rescale_lr=group["rescale_lr"], debias=group["debias"])
+            p.copy_(st["mean"])
+        self._reset_samples()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loader, then p.data ← the loaded fp32 mean and the accumulators reset."""
+        super().load_state_dict(state_dict)
+        self._reset_samples()
+        with torch.no_grad():
+            for name, p in self._named():
+                p.copy_(self.state[name]["mean"])
+
+    def sigma_by_name(self) -> dict[str, torch.Tensor]:
+        """σ = 1 / sqrt(λ (h + δ)) per parameter (§1.1): {name: fp32 [shape]}, new tensors."""
+        return {name: self._sigma(name) for name, _ in self._named()}
+
+    def mean_by_name(self) -> dict[str, torch.Tensor]:
+        """The fp32 master mean m per parameter: live state tensors, do not modify."""
+        return {name: self.state[name]["mean"] for name, _ in self._named()}
+
+    def hess_by_name(self) -> dict[str, torch.Tensor]:
+        """The fp32 Hessian estimate h per parameter: live state tensors, do not modify."""
+        return {name: self.state[name]["hess"] for name, _ in self._named()}
+
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The §1.6 layout: tensors {'mean/<name>', 'hess/<name>', 'momentum/<name>'} (fp32, CPU
+        copies) and metadata {step_t, the hyperparameters, param_order, shapes} (JSON-able)."""
+        tensors = {f"{kind}/{name}": self.state[name][kind].detach().to("cpu", copy=True)
+                   for name, _ in self._named() for kind in _STATE_KINDS}
+        group = self.param_groups[0]
+        meta = {"step_t": int(group["step"]), **{k: group[k] for k in _HYPER},
+                "param_order": list(group["param_names"]),
+                "shapes": {name: list(p.shape) for name, p in self._named()}}
+        return tensors, meta
+
+    @torch.no_grad()
+    def load_exported_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Inverse of `export_state`: m, h, g_m and the step count t; p.data ← m. Raises
+        ValueError naming the first missing, unexpected or mis-shaped parameter."""
+        names = [name for name, _ in self._named()]
+        missing = [n for n in names if n not in meta["param_order"]]
+        extra = [n for n in meta["param_order"] if n not in names]
+        if missing or extra:
+            raise ValueError(f"exported IVON state does not match the parameters: missing {missing[:5]}, "
+                             f"unexpected {extra[:5]}")
+        for name, p in self._named():
+            for kind in _STATE_KINDS:
+                key = f"{kind}/{name}"
+                if key not in tensors:
+                    raise ValueError(f"exported IVON state lacks {key!r}")
+                if tuple(tensors[key].shape) != tuple(p.shape):
+                    raise ValueError(f"{key}: shape {tuple(tensors[key].shape)}, parameter {tuple(p.shape)}")
+                self.state[name][kind] = tensors[key].to(device=p.device, dtype=torch.float32, copy=True)
+            p.copy_(self.state[name]["mean"])
+        self.param_groups[0]["step"] = int(meta["step_t"])
+        self._reset_samples()
+
+    @torch.no_grad()
+    def sigma_percentiles(self, quantiles: tuple[float, ...] = (0.01, 0.5, 0.99),
+                          max_points: int = 1 << 20) -> dict[str, float]:
+        """σ over all parameters for logging the runaway-σ hazard (feasibility.md, end):
+        {'p1', 'p50', 'p99' (per `quantiles`), 'max', 'max_over_init' = max σ / σ0} with
+        σ0 = 1/sqrt(λ(h0+δ)). Percentiles use an evenly strided subsample of at most ~`max_points`
+        entries; the max is exact."""
+        group = self.param_groups[0]
+        total = sum(p.numel() for _, p in self._named())
+        stride = max(1, math.ceil(total / max_points))
+        points, top = [], 0.0
+        for name, _ in self._named():
+            sigma = self._sigma(name).flatten()
+            points.append(sigma[::stride].cpu())
+            top = max(top, float(sigma.max()))
+        quant = torch.quantile(torch.cat(points).double(), torch.tensor(quantiles, dtype=torch.float64))
+        sigma0 = 1.0 / math.sqrt(group["ess"] * (group["hess_init"] + group["weight_decay"]))
+        out = {f"p{100 * q:g}": float(v) for q, v in zip(quantiles, quant)}
+        return {**out, "max": top, "max_over_init": top / sigma0}

@@ -1,0 +1,99 @@
+"""Exploration plans (algorithms.md §2.2, §2.3): slots, seeds, grouping, gradient point."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from threepo.algorithms.exploration import ExplorationPlan, Slot, make_plan, plan_seed
+
+
+def test_grpo_one_clean_slot():
+    plan = make_plan("grpo", version=0, base_seed=1, group_size=8, n_slots=1)
+    assert plan.slots == (Slot(0, None),)
+    assert (plan.rollouts_per_slot, plan.group_size, plan.groups_per_prompt) == (8, 8, 1)
+    assert plan.gradient_at == "mean" and plan.gradient_seed is None and plan.group_of(0) == 0
+
+
+def test_b3po_one_seeded_slot_gradient_at_rollout_sample():
+    plan = make_plan("b3po", version=2, base_seed=1, group_size=16, n_slots=1)
+    assert len(plan.slots) == 1 and plan.slots[0].seed == plan_seed(1, 2, "slot0")
+    assert (plan.rollouts_per_slot, plan.group_size, plan.groups_per_prompt) == (16, 16, 1)
+    assert plan.gradient_at == "rollout_sample" and plan.gradient_seed is None
+
+
+def test_m3po_equal_compute_and_unconstrained():
+    # equal compute: G = 16, M = 4 → 4 rollouts per slot, each slot its own group of 4
+    plan = make_plan("m3po", version=0, base_seed=1, group_size=16, n_slots=4)
+    assert (plan.rollouts_per_slot, plan.group_size, plan.groups_per_prompt) == (4, 4, 4)
+    assert [plan.group_of(i) for i in range(4)] == [0, 1, 2, 3]
+    assert plan.rollouts_per_prompt == 16
+    # unconstrained: G = 16 per slot, 4 groups of 16, 4× the rollouts
+    free = make_plan("m3po", version=0, base_seed=1, group_size=16, n_slots=4, equal_compute=False)
+    assert (free.rollouts_per_slot, free.group_size, free.groups_per_prompt) == (16, 16, 4)
+    assert free.rollouts_per_prompt == 64
+    assert free.slots == plan.slots  # same seeds: only the rollout count differs
+
+
+def test_c3po_slots_share_one_group_and_gradient_at_fresh_seed():
+    # G = 16, N = 4 → 4 per slot, one group of 16 over all slots, θ̂′ from a fifth seed
+    plan = make_plan("c3po", version=5, base_seed=9, group_size=16, n_slots=4)
+    assert (plan.rollouts_per_slot, plan.group_size, plan.groups_per_prompt) == (4, 16, 1)
+    assert [plan.group_of(i) for i in range(4)] == [0, 0, 0, 0]
+    assert plan.gradient_at == "fresh_sample" and plan.gradient_seed == plan_seed(9, 5, "gradient")
+    seeds = [s.seed for s in plan.slots] + [plan.gradient_seed]
+    assert len(set(seeds)) == 5 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_seeds_depend_on_base_seed_version_and_slot_only():
+    a = make_plan("c3po", version=3, base_seed=7, group_size=8, n_slots=2)
+    assert a == make_plan("c3po", version=3, base_seed=7, group_size=8, n_slots=2)
+    assert a.slots[0].seed != make_plan("c3po", version=4, base_seed=7, group_size=8, n_slots=2).slots[0].seed
+    assert a.slots[0].seed != make_plan("c3po", version=3, base_seed=8, group_size=8, n_slots=2).slots[0].seed
+
+
+def test_seeds_are_stable_across_processes():
+    # Python's hash() is salted per process; the plan's seeds must not be
+    code = ("from threepo.algorithms.exploration import make_plan; "
+            "p = make_plan('c3po', version=3, base_seed=7, group_size=8, n_slots=2); "
+            "print([s.seed for s in p.slots], p.gradient_seed)")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": str(h)}).stdout for h in (1, 2)}
+    assert len(outs) == 1
+    plan = make_plan("c3po", version=3, base_seed=7, group_size=8, n_slots=2)
+    assert outs.pop().strip() == f"{[s.seed for s in plan.slots]} {plan.gradient_seed}"
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(kind="c3po", group_size=16, n_slots=3), "n_slots=3"),
+    (dict(kind="m3po", group_size=10, n_slots=4), "group_size=10"),
+    (dict(kind="c3po", group_size=16, n_slots=0), "n_slots"),
+    (dict(kind="b3po", group_size=16, n_slots=2), "n_slots"),
+    (dict(kind="ppo", group_size=16, n_slots=1), "kind"),
+    (dict(kind="c3po", group_size=0, n_slots=1), "group_size"),
+    (dict(kind="c3po", group_size=16, n_slots=4, equal_compute=False), "equal_compute"),
+])
+def test_bad_combinations_raise_naming_the_argument(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        make_plan(version=0, base_seed=0, **kwargs)
+
+
+def test_plan_validates_when_built_by_hand():
+    good = make_plan("c3po", version=0, base_seed=0, group_size=8, n_slots=2)
+    with pytest.raises(ValueError, match="gradient_at"):
+        dataclasses.replace(good, gradient_at="mean")
+    with pytest.raises(ValueError, match="group_size"):
+        dataclasses.replace(good, group_size=6)
+    with pytest.raises(ValueError, match="slots"):
+        dataclasses.replace(good, slots=(Slot(1, 5), Slot(0, 6)))
+    with pytest.raises(ValueError, match="seed"):
+        dataclasses.replace(good, slots=(Slot(0, None), Slot(1, 6)))
+    with pytest.raises(ValueError, match="slot_index"):
+        good.group_of(2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        good.version = 1  # type: ignore[misc]
+    assert isinstance(good, ExplorationPlan)
