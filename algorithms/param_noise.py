@@ -40,7 +40,8 @@ def perturbed(mean: torch.Tensor, sigma: torch.Tensor, seed: int | None, name: s
     assert mean.shape == sigma.shape, f"{name}: mean {tuple(mean.shape)} vs sigma {tuple(sigma.shape)}"
     theta = mean.detach().float().clone()
     if seed is not None:
-        theta.addcmul_(sigma.float(), noise_like(seed, name, mean.shape))
+        # z is always drawn on the CPU (identical streams everywhere), then moved to the weights
+        theta.addcmul_(sigma.float(), noise_like(seed, name, mean.shape).to(theta.device))
     return theta
 
 

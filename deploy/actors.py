@@ -60,6 +60,22 @@ def make_engine(model_path: str, cfg: SamplerConfig, engine_id: int, dtype: str)
                      "and SGLang adapters are not part of it yet (see README, 'What is verified where')")
 
 
+class VerifierActor:
+    """The verifier pool behind synchronous methods only: Ray turns an actor with any `async def`
+    method into an async actor, whose methods leave the main thread (math-verify's SIGALRM needs it)."""
+
+    def __init__(self, cfg: VerifierPoolConfig) -> None:
+        from threepo.deploy.metrics import RayMetrics
+
+        self.pool = VerifierPool(cfg, metrics=RayMetrics())
+
+    def verify_batch(self, requests: list) -> list:
+        return self.pool.verify_batch(requests)
+
+    def stats(self) -> dict:
+        return self.pool.stats()
+
+
 class LearnerActor(Learner):
     """The learner service plus two driver conveniences that need its model: held-out evaluation
     and writing the current mean as an HF checkpoint."""
@@ -113,7 +129,7 @@ def start_roles(cfg: RunConfig, policy_path: str, posterior_state: dict | None =
     ]
     # synchronous actors (max_concurrency=1) run on their main thread: math-verify's SIGALRM works
     verifiers = [
-        ray.remote(VerifierPool).options(num_cpus=rt.verifier_cpus, max_restarts=-1, max_task_retries=-1,
+        ray.remote(VerifierActor).options(num_cpus=rt.verifier_cpus, max_restarts=-1, max_task_retries=-1,
                                          max_concurrency=1, runtime_env=env).remote(VerifierPoolConfig())
         for _ in range(rt.num_verifiers)
     ]

@@ -130,7 +130,7 @@ def run(cfg: RunConfig, run_dir: str, policy_path: str, resume_from: str | None 
                "reissued_requests": s.delivery.reissued_requests, "sampler_failures": s.delivery.sampler_failures,
                "rejected_checksum": s.delivery.rejected_checksum, "infra_errors": s.delivery.infra_errors,
                "seq_gaps": s.delivery.seq_gaps(), "wall_s": round(time.monotonic() - started, 2),
-               "report": make_report(run_dir)}
+               "report": [str(p) for p in make_report(run_dir)]}
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
