@@ -192,7 +192,7 @@ def test_on_sync_resets_the_anchors(model):
     assert (drift() < 1e-2 * CFG.anchor_budget).all()
 
 
-def test_state_round_trip(model, tiny_moe_path):
+def test_state_round_trip(model):
     hooks = VP2OHooks(model, CFG)
     name = hooks.layer_names[0]
     _forward_backward(model, hooks, 1)
@@ -209,7 +209,7 @@ def test_state_round_trip(model, tiny_moe_path):
     hooks.on_sync()
     state = hooks.state()
     assert set(state) == {f"{n}/{k}" for n in hooks.layer_names for k in ("f_hat", "c_hat", "v", "anchor", "anchor_v")}
-    other = VP2OHooks(load_model(tiny_moe_path), dataclasses.replace(CFG, seed=7))
+    other = VP2OHooks(model, dataclasses.replace(CFG, seed=7))  # fresh state, same layers
     assert not torch.equal(other.state()[f"{hooks.layer_names[0]}/v"], state[f"{hooks.layer_names[0]}/v"])
     other.load_state(state)
     restored = other.state()
@@ -219,3 +219,32 @@ def test_state_round_trip(model, tiny_moe_path):
     bad = {**state, f"{hooks.layer_names[1]}/anchor": torch.zeros(4, 3)}
     with pytest.raises(ValueError, match="anchor expected shape"):
         other.load_state(bad)
+
+
+def test_the_learner_contract_with_ivon(model):
+    # IVON folds .grad into its sample averages when a sample's context exits: VP2O transforms
+    # those, and the shrunk weights must reach its fp32 mean (the learner's write_back)
+    from threepo.algorithms.ivon import IVON
+    from threepo.services.modeling import trainable_named_parameters
+
+    hooks = VP2OHooks(model, dataclasses.replace(CFG, anchor_budget=1e-9))
+    opt = IVON(trainable_named_parameters(model), lr=0.5, ess=1e4, clip_radius=1.0)
+    input_ids, mask = _batch()
+    for seed in (11, 12):  # two Monte-Carlo samples: their routing forms one mini-batch
+        with opt.sampled_params(seed, train=True):
+            with hooks.capture(mask):
+                out = model(input_ids=input_ids, attention_mask=mask)
+            (out.logits[mask.bool()].logsumexp(-1).mean() + hooks.extra_loss()[0]).backward()
+    averages = {key[len("grad/"):]: t for key, t in opt.sample_averages().items() if key.startswith("grad/")}
+    name = f"{hooks.layer_names[0]}.experts.down_proj"
+    before = averages[name].clone()
+    hooks.transform_grads(averages)
+    assert not torch.equal(opt.sample_averages()[f"grad/{name}"], before)
+    prev = hooks.snapshot()
+    opt.step()
+    metrics = hooks.after_step(prev, write_back=lambda n, t: opt.state[n]["mean"].copy_(t))
+    assert metrics["vp2o_clamped_frac"] > 0
+    for n, param in trainable_named_parameters(model):
+        assert torch.equal(opt.state[n]["mean"], param.detach().float()), n
+    with opt.sampled_params(None, train=False):  # p.data ← m keeps the shrunk step
+        assert torch.equal(model.get_parameter(name).detach(), opt.state[name]["mean"])
