@@ -19,7 +19,11 @@ Readings of the spec:
 - `extra_loss` uses the forwards since the last `extra_loss`; L_orth and L_div are averaged over layers.
 - With an optimizer that folds `.grad` into its own buffers (IVON zeroes `.grad` when a sample's
   context exits), pass those buffers to `transform_grads(grads=...)`: attraction is linear, so
-  transforming the K-sample average equals averaging the transformed samples (same kernel).
+  transforming the K-sample average equals averaging the transformed samples (same kernel); the
+  prototypes and repulsion are then taken at the mean, and IVON's Hessian estimate still sees the
+  raw per-sample gradients.
+- `capture`'s mask covers the forward's input positions [B, L] (e.g. the attention mask: prompt and
+  completion tokens), not the [B, L-1] mask of next-token targets.
 - The drift of §3.7 is measured as one fixed function per sync interval: at a sync, v_anc is the
   warm state after `sync_power_iters` more iterations and p_anc = prototypes(W_anc, v_anc,
   power_iters); after each step Δ(W) = anchor_drift(prototypes(W, v_anc, power_iters), p_anc).
