@@ -113,30 +113,37 @@ class Roles:
     learner: Any
 
 
-def start_roles(cfg: RunConfig, policy_path: str, posterior_state: dict | None = None) -> Roles:
-    """Create every role as an actor; resources and restart policies come from `cfg.runtime`.
-    `posterior_state` restores the posterior server from a checkpoint."""
+def start_roles(cfg: RunConfig, policy_path: str, run_id: str, posterior_state: dict | None = None) -> Roles:
+    """Create every role as an actor named `<run_id>-<role>[-i]`; resources and restart policies come
+    from `cfg.runtime`. `posterior_state` restores the posterior server from a checkpoint."""
     rt = cfg.runtime
     env = {"env_vars": ACTOR_ENV}
-    posterior = ray.remote(PosteriorServer).options(num_cpus=0, runtime_env=env).remote(
+    posterior = ray.remote(PosteriorServer).options(num_cpus=0, runtime_env=env, name=f"{run_id}-posterior").remote(
         posterior_config(cfg), state=posterior_state)
     sampler_cfg = cfg.sampler
     samplers = [
         ray.remote(SamplerActor).options(num_cpus=rt.sampler_cpus, max_restarts=-1, max_task_retries=0,
-                                         runtime_env=env)
+                                         runtime_env=env, name=f"{run_id}-sampler-{i}")
         .remote(policy_path, sampler_cfg, i, cfg.model.dtype)
         for i in range(rt.num_samplers)
     ]
     # synchronous actors (max_concurrency=1) run on their main thread: math-verify's SIGALRM works
     verifiers = [
         ray.remote(VerifierActor).options(num_cpus=rt.verifier_cpus, max_restarts=-1, max_task_retries=-1,
-                                         max_concurrency=1, runtime_env=env).remote(VerifierPoolConfig())
-        for _ in range(rt.num_verifiers)
+                                         max_concurrency=1, runtime_env=env, name=f"{run_id}-verifier-{i}")
+        .remote(VerifierPoolConfig())
+        for i in range(rt.num_verifiers)
     ]
-    learner = ray.remote(LearnerActor).options(num_cpus=rt.learner_cpus, runtime_env=env).remote(
+    learner = ray.remote(LearnerActor).options(num_cpus=rt.learner_cpus, runtime_env=env,
+                                               name=f"{run_id}-learner").remote(
         policy_path, cfg.algo, cfg.optim, cfg.sync, temperature=cfg.sampler.temperature,
         max_new_tokens=cfg.sampler.max_new_tokens, threads=max(1, int(rt.learner_cpus)))
     return Roles(posterior, samplers, verifiers, learner)
+
+
+def stop_roles(roles: Roles) -> None:
+    for actor in [roles.posterior, roles.learner, *roles.samplers, *roles.verifiers]:
+        ray.kill(actor, no_restart=True)
 
 
 def posterior_config(cfg: RunConfig) -> PosteriorConfig:

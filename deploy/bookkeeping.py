@@ -53,22 +53,24 @@ class _Pending:
     prompt_index: int
     policy_version: int
     published_step: int
+    size: int
     completions: dict[str, ScoredCompletion] = field(default_factory=dict)
 
 
 class GroupAssembler:
-    """Collects scored completions into groups of `group_size`; hands out complete groups FIFO."""
+    """Collects scored completions into groups; hands out complete groups FIFO. A group's size is
+    fixed when it is admitted (the plan's advantage-group size: G, or G/M for equal-compute M3PO)."""
 
-    def __init__(self, group_size: int) -> None:
-        self.group_size = group_size
+    def __init__(self) -> None:
         self.pending: dict[str, _Pending] = {}
         self.ready: deque[tuple[Group, int]] = deque()  # (group, prompt index)
         self.duplicates = 0
 
-    def expect(self, group_id: str, item: TaskItem, prompt_index: int, version: int, published_step: int) -> None:
+    def expect(self, group_id: str, item: TaskItem, prompt_index: int, version: int, published_step: int,
+               size: int) -> None:
         if group_id in self.pending:
             raise ValueError(f"group {group_id!r} admitted twice")
-        self.pending[group_id] = _Pending(item, prompt_index, version, published_step)
+        self.pending[group_id] = _Pending(item, prompt_index, version, published_step, size)
 
     def add(self, scored: ScoredCompletion) -> None:
         c = scored.completion
@@ -77,7 +79,7 @@ class GroupAssembler:
             self.duplicates += 1  # a re-issued request's copy, or a group already complete
             return
         pending.completions[c.completion_id] = scored
-        if len(pending.completions) == self.group_size:
+        if len(pending.completions) == pending.size:
             del self.pending[c.group_id]
             ordered = tuple(pending.completions[k] for k in sorted(pending.completions))
             group = Group(group_id=c.group_id, item=pending.item, policy_version=pending.policy_version,
@@ -85,7 +87,10 @@ class GroupAssembler:
             self.ready.append((group, pending.prompt_index))
 
     def take(self, n: int) -> list[tuple[Group, int]]:
-        return [self.ready.popleft() for _ in range(n)]
+        """The `n` ready groups admitted earliest (oldest first keeps staleness low)."""
+        ordered = sorted(self.ready, key=lambda t: (t[1], t[0].group_id))
+        taken, self.ready = ordered[:n], deque(ordered[n:])
+        return taken
 
 
 @dataclass

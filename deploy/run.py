@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from threepo.deploy.actors import Roles, init_ray, start_roles
+from threepo.deploy.actors import Roles, init_ray, start_roles, stop_roles
 from threepo.deploy.bookkeeping import Delivery, GroupAssembler, PromptStream, admission_open
 from threepo.deploy.config import RunConfig
 from threepo.services.messages import RolloutRequest, ScoredCompletion, VerifyRequest, VerifyStatus
@@ -51,22 +51,34 @@ class Loop:
     verifier_turn: int = 0
 
 
-def run(cfg: RunConfig, run_dir: str, policy_path: str, resume_from: str | None = None) -> dict:
-    """Train for `cfg.runtime.steps` learner steps; returns the final delivery counts and metrics."""
+def train(cfg: RunConfig, run_dir: str, policy_path: str, resume_from: str | None = None) -> dict:
+    """Start the roles (restored from `resume_from` if given), run the loop, stop the roles."""
+    from threepo.deploy import checkpoints
+
+    init_ray(cfg)
+    saved = checkpoints.load(resume_from) if resume_from else None
+    roles = start_roles(cfg, policy_path, os.path.basename(os.path.abspath(run_dir)),
+                        posterior_state=saved and saved["posterior"])
+    try:
+        return run(cfg, run_dir, roles, saved)
+    finally:
+        stop_roles(roles)
+
+
+def run(cfg: RunConfig, run_dir: str, roles: Roles, saved: dict | None = None) -> dict:
+    """The driver loop: `cfg.runtime.steps` learner steps; returns delivery counts and the report."""
     from tqdm import tqdm
 
     from threepo.deploy import checkpoints
     from threepo.deploy.report import make_report
 
     rt = cfg.runtime
-    init_ray(cfg)
-    saved = checkpoints.load(resume_from) if resume_from else None
-    roles = start_roles(cfg, policy_path, posterior_state=saved and saved["posterior"])
-    s = Loop(cfg, roles, PromptStream(train_items(cfg), cfg.seed), GroupAssembler(cfg.algo.group_size),
+    s = Loop(cfg, roles, PromptStream(train_items(cfg), cfg.seed), GroupAssembler(),
              sampler_version=[None] * rt.num_samplers)
-    if saved:
+    if saved:  # learner, posterior versions and plans, data cursor, consumed ids come back
         checkpoints.restore_driver(s, saved)
-    publish(s, ray.get(roles.learner.published.remote()), reason="start")
+    else:
+        publish(s, ray.get(roles.learner.published.remote()), reason="start")
     groups_per_step = rt.prompts_per_step * s.plan.groups_per_prompt
     heldout = heldout_items(cfg)
     log = open(os.path.join(run_dir, "metrics.jsonl"), "a")
@@ -82,8 +94,7 @@ def run(cfg: RunConfig, run_dir: str, policy_path: str, resume_from: str | None 
         dispatch(s, admitted)
         # 2. train when the learner is free and a step's worth of groups is complete
         if not s.learning and len(s.assembler.ready) >= groups_per_step:
-            taken = s.assembler.take(groups_per_step)
-            groups = [g for g, _ in taken]
+            groups = [g for g, _ in s.assembler.take(groups_per_step)]  # oldest first, in admission order
             s.delivery.consume(groups)
             for g in groups:
                 s.open_groups.pop(g.group_id)
@@ -153,7 +164,7 @@ def admit(s: Loop) -> list[RolloutRequest]:
         group_id = f"p{index}/g{g}"
         if group_id not in s.open_groups:
             s.open_groups[group_id] = (index, g)
-            s.assembler.expect(group_id, item, index, s.version, s.published_step[s.version])
+            s.assembler.expect(group_id, item, index, s.version, s.published_step[s.version], plan.group_size)
             s.roles.posterior.acquire.remote(s.version, 1)
         requests.append(RolloutRequest(request_id=f"{group_id}/s{slot.index}", group_id=group_id, item=item,
                                        policy_version=s.version, slot=slot.index, slot_seed=slot.seed,
@@ -296,7 +307,7 @@ def main_train(args) -> int:
     path = policy_path(cfg)
     print(f"train: run directory {run_dir}")
     before = evaluate_policy(cfg, path, label="held-out before")
-    summary = run(cfg, run_dir, path, resume_from=checkpoints.latest(run_dir) if args.resume else None)
+    summary = train(cfg, run_dir, path, resume_from=checkpoints.latest(run_dir) if args.resume else None)
     after = evaluate_policy(cfg, summary["final_checkpoint"], label="held-out after")
     print(f"train: held-out before: {before.summary()}")
     print(f"train: held-out after:  {after.summary()}")
