@@ -77,8 +77,18 @@ class VerifierActor:
 
 
 class LearnerActor(Learner):
-    """The learner service plus two driver conveniences that need its model: held-out evaluation
-    and writing the current mean as an HF checkpoint."""
+    """The learner service plus its Prometheus metrics and two driver conveniences that need its
+    model: held-out evaluation and writing the current mean as an HF checkpoint."""
+
+    def step(self, groups: list):
+        from threepo.deploy.metrics import RayMetrics
+        from threepo.services.metrics import register_catalogue
+
+        result = super().step(groups)
+        if "_metrics" not in self.__dict__:
+            self._metrics = register_catalogue(RayMetrics())
+        record_learner_metrics(self._metrics, result, groups, self.algo.exploration)
+        return result
 
     def evaluate_heldout(self, items: list, max_new_tokens: int) -> float:
         from threepo.services.engines.hf import generate
@@ -103,6 +113,21 @@ class LearnerActor(Learner):
         self.model.save_pretrained(directory)
         load_tokenizer(self.model_path).save_pretrained(directory)
         return directory
+
+
+def record_learner_metrics(handles: dict, result, groups: list, algorithm: str) -> None:
+    """The learner's step metrics into the Prometheus catalogue (labels stay bounded: algorithm)."""
+    m, label = result.metrics, {"algorithm": algorithm}
+    handles["threepo_reward_mean"].set(m["reward_mean"], **label)
+    handles["threepo_kl"].set(m["kl_k3"], **label)
+    handles["threepo_ess_ratio"].set(m["ess_frac"], **label)
+    handles["threepo_zero_advantage_groups_ratio"].set(m["zero_adv_frac"], **label)
+    handles["threepo_malformed_rollouts_ratio"].set(m["malformed_rate"], **label)
+    handles["threepo_rescued_groups_total"].inc(m["rescued_groups"], **label)
+    handles["threepo_learner_step_seconds"].observe(m["step_time_s"], **label)
+    handles["threepo_learner_step"].set(result.step)
+    for g in groups:
+        handles["threepo_staleness_steps"].observe(result.step - 1 - g.published_step, **label)
 
 
 @dataclass
@@ -137,7 +162,7 @@ def start_roles(cfg: RunConfig, policy_path: str, run_id: str, posterior_state: 
     learner = ray.remote(LearnerActor).options(num_cpus=rt.learner_cpus, runtime_env=env,
                                                name=f"{run_id}-learner").remote(
         policy_path, cfg.algo, cfg.optim, cfg.sync, temperature=cfg.sampler.temperature,
-        max_new_tokens=cfg.sampler.max_new_tokens, threads=max(1, int(rt.learner_cpus)))
+        max_new_tokens=cfg.sampler.max_new_tokens, threads=max(1, int(rt.learner_cpus)), vp2o=cfg.vp2o)
     return Roles(posterior, samplers, verifiers, learner)
 
 

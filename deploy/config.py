@@ -25,6 +25,7 @@ from threepo.services.engines.base import SamplerConfig
 from threepo.services.evaluation import EvalConfig
 from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig
 from threepo.services.modeling import ModelConfig
+from threepo.services.vp2o_hooks import VP2OConfig
 from threepo.services.tasks import TaskConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
@@ -106,6 +107,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    vp2o: VP2OConfig = field(default_factory=VP2OConfig)
 
     def __post_init__(self) -> None:
         from threepo.services.learner_config import check_combination

@@ -49,6 +49,7 @@ class Loop:
     tokens_by_engine: dict = field(default_factory=dict)
     learning: bool = False
     verifier_turn: int = 0
+    reported: dict = field(default_factory=dict)    # counts already exported to Prometheus
 
 
 def train(cfg: RunConfig, run_dir: str, policy_path: str, resume_from: str | None = None) -> dict:
@@ -70,11 +71,14 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, saved: dict | None = None) -
     from tqdm import tqdm
 
     from threepo.deploy import checkpoints
+    from threepo.deploy.metrics import RayMetrics
     from threepo.deploy.report import make_report
+    from threepo.services.metrics import register_catalogue
 
     rt = cfg.runtime
     s = Loop(cfg, roles, PromptStream(train_items(cfg), cfg.seed), GroupAssembler(),
              sampler_version=[None] * rt.num_samplers)
+    metrics = register_catalogue(RayMetrics())  # the driver's own: queues, syncs, rejections
     if saved:  # learner, posterior versions and plans, data cursor, consumed ids come back
         checkpoints.restore_driver(s, saved)
     else:
@@ -120,6 +124,7 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, saved: dict | None = None) -
             window = time.monotonic()
             s.tokens_by_engine.clear()
             row["sync_event"], row["sync_reason"] = result.publish_version is not None, result.publish_reason
+            record_driver_metrics(metrics, s, row)
             if result.publish_version is not None:
                 publish(s, ray.get(roles.learner.published.remote()), reason=result.publish_reason)
                 row["sync_bytes_per_engine"] = ray.get(roles.posterior.bytes_of.remote(s.version))
@@ -262,6 +267,23 @@ def publish(s: Loop, pv, reason: str | None) -> None:
     s.weights_refs[pv.version] = s.roles.posterior.weights.remote(pv.version)
     for old in [v for v in s.weights_refs if v < pv.version - 8]:
         del s.weights_refs[old]
+
+
+def record_driver_metrics(handles: dict, s: Loop, row: dict) -> None:
+    handles["threepo_queue_depth"].set(row["groups_in_flight"], role="sampler")
+    handles["threepo_queue_depth"].set(row["groups_ready"], role="learner")
+    handles["threepo_policy_version"].set(s.version)
+    if row["sync_event"]:
+        handles["threepo_sync_events_total"].inc(1, reason=row["sync_reason"])
+    for reason, count in (("checksum", s.delivery.rejected_checksum), ("duplicate", s.assembler.duplicates)):
+        seen = s.reported.get(reason, 0)
+        if count > seen:
+            handles["threepo_rejected_completions_total"].inc(count - seen, reason=reason)
+            s.reported[reason] = count
+    if s.delivery.sampler_failures > s.reported.get("restarts", 0):
+        handles["threepo_actor_restarts_total"].inc(s.delivery.sampler_failures - s.reported.get("restarts", 0),
+                                                   role="sampler")
+        s.reported["restarts"] = s.delivery.sampler_failures
 
 
 def delivery_metrics(s: Loop, window_s: float) -> dict:

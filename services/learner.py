@@ -28,6 +28,7 @@ from threepo.algorithms.sync_budget import sync_decision
 from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig
 from threepo.services.messages import Group, PublishedVersion, VerifyStatus
 from threepo.services.modeling import load_model, trainable_named_parameters
+from threepo.services.vp2o_hooks import VP2OConfig, VP2OHooks
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ class Learner:
     """Training copy + optimizer; one `step` per batch of groups; publishes on the sync budget."""
 
     def __init__(self, model_path: str, algo: AlgoConfig, optim: OptimConfig, sync: SyncConfig, *,
-                 temperature: float, max_new_tokens: int, threads: int = 1) -> None:
+                 temperature: float, max_new_tokens: int, threads: int = 1,
+                 vp2o: VP2OConfig | None = None) -> None:
         torch.set_num_threads(threads)
         self.model_path, self.algo, self.optim_cfg, self.sync = model_path, algo, optim, sync
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
@@ -64,6 +66,7 @@ class Learner:
         self.named = trainable_named_parameters(self.model)
         self.ref_model = load_model(model_path).eval() if algo.kl_coef else None
         self.opt = self._make_optimizer()
+        self.vp2o = VP2OHooks(self.model, vp2o or VP2OConfig()) if algo.vp2o else None
         self.step_count, self.version, self.steps_since_sync = 0, 0, 0
         self.version_step = {0: 0}  # published version -> learner step at publish
 
@@ -85,17 +88,18 @@ class Learner:
         for seed, rows in self._gradient_points(batch):
             with self._at(seed):
                 diag.append(self._backward(batch, rows, advantages[rows]))
-        if self.optim_cfg.name == "adamw":
-            torch.nn.utils.clip_grad_norm_([p for _, p in self.named], self.optim_cfg.grad_clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        vp2o_metrics = self._vp2o_step() if self.vp2o else {}
+        if not self.vp2o:
+            self._optimizer_step()
         self.step_count += 1
         self.steps_since_sync += 1
-        metrics = {**adv_metrics, **_mean_dicts(diag), **self._group_metrics(groups)}
+        metrics = {**adv_metrics, **_mean_dicts(diag), **self._group_metrics(groups), **vp2o_metrics}
         decision = sync_decision(kl=metrics["kl_k3"], ess_frac=metrics["ess_frac"],
                                  steps_since_sync=self.steps_since_sync, kappa=self.sync.kappa,
                                  eta=self.sync.eta, max_staleness=self.sync.max_staleness)
         if decision.publish:
+            if self.vp2o:
+                self.vp2o.on_sync()  # the anchor of the prototype budget moves with the behaviour policy
             self.version += 1
             self.version_step[self.version] = self.step_count
             self.steps_since_sync = 0
@@ -104,6 +108,25 @@ class Learner:
         return StepResult(step=self.step_count, metrics=metrics,
                           publish_version=self.version if decision.publish else None,
                           publish_reason=decision.reason)
+
+    def _optimizer_step(self) -> None:
+        if self.optim_cfg.name == "adamw":
+            torch.nn.utils.clip_grad_norm_([p for _, p in self.named], self.optim_cfg.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def _vp2o_step(self) -> dict[str, float]:
+        """VP2O around the optimizer step (algorithms.md §3.5, §3.7): Stein transport of the expert
+        gradients (IVON: on its K-sample mean gradient), the step, then the anchor prototype budget."""
+        if self.optim_cfg.name == "ivon":
+            grads = {k[5:]: t for k, t in self.opt.sample_averages().items() if k.startswith("grad/")}
+            metrics = self.vp2o.transform_grads(grads)
+            write_back = lambda name, t: self.opt.state[name]["mean"].copy_(t)  # noqa: E731 (IVON's master copy)
+        else:
+            metrics, write_back = self.vp2o.transform_grads(), None
+        prev = self.vp2o.snapshot()
+        self._optimizer_step()
+        return {**metrics, **self.vp2o.after_step(prev, write_back=write_back)}
 
     def _gradient_points(self, batch: _Batch) -> list[tuple[int | None, torch.Tensor]]:
         """(seed, rows) pairs: where the gradient is taken and on which rollouts (the plan's rule)."""
@@ -128,7 +151,8 @@ class Learner:
     def _backward(self, batch: _Batch, rows: torch.Tensor, advantages: torch.Tensor) -> dict:
         """Loss on `rows` at the current weights; backward; return detached diagnostics."""
         a = self.algo
-        out = self.model(input_ids=batch.input_ids[rows], attention_mask=batch.attn[rows])
+        with self.vp2o.capture(batch.attn[rows]) if self.vp2o else contextlib.nullcontext():
+            out = self.model(input_ids=batch.input_ids[rows], attention_mask=batch.attn[rows])
         logits = out.logits[:, :-1]
         mask, behav = batch.mask[rows], batch.logp_behav[rows]
         logp = losses.token_logprobs(logits, batch.targets[rows], self.temperature)
@@ -148,12 +172,16 @@ class Learner:
             ref_logp = losses.token_logprobs(ref_logits[:, :-1], batch.targets[rows], self.temperature)
             kl = losses.kl_penalty(logp, ref_logp, a.kl_estimator)
             loss = loss + a.kl_coef * losses.aggregate_loss(kl, mask_eff, a.loss_agg, **agg)
+        extra = {}
+        if self.vp2o:
+            spec_loss, extra = self.vp2o.extra_loss()
+            loss = loss + spec_loss
         loss.backward()
         seq_log_w = ((logp_old - behav) * mask).sum(dim=1)
         return {"loss": float(loss.detach()), "kl_k3": float(off_policy.kl_k3(logp_old, behav, mask)),
                 "ess_frac": float(off_policy.kish_ess_fraction(seq_log_w)),
                 "is_weight_mean": float((weights.sum(1) / mask.sum(1).clamp(min=1)).mean()),
-                **{k: float(v) for k, v in clip_metrics.items()}}
+                **extra, **{k: float(v) for k, v in clip_metrics.items()}}
 
     def _is_weights(self, logp_old: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor):
         """Detached importance weights [b, T] and the effective loss mask (rejection removes tokens)."""
@@ -250,10 +278,11 @@ class Learner:
         """Tensors and metadata of everything needed to continue exactly (checkpoint)."""
         meta = {"step": self.step_count, "version": self.version, "steps_since_sync": self.steps_since_sync,
                 "version_step": {str(k): v for k, v in self.version_step.items()}, "optim": self.optim_cfg.name}
+        vp2o = {f"vp2o/{k}": v for k, v in self.vp2o.state().items()} if self.vp2o else {}
         if self.optim_cfg.name == "ivon":
             tensors, ivon_meta = self.opt.export_state()
-            return tensors, {**meta, "ivon": ivon_meta}
-        tensors = {f"param/{n}": p.detach().clone() for n, p in self.named}
+            return {**tensors, **vp2o}, {**meta, "ivon": ivon_meta}
+        tensors = {f"param/{n}": p.detach().clone() for n, p in self.named} | vp2o
         opt_state = self.opt.state_dict()
         for i, st in opt_state["state"].items():
             for k, v in st.items():
@@ -264,6 +293,9 @@ class Learner:
         self.step_count, self.version = meta["step"], meta["version"]
         self.steps_since_sync = meta["steps_since_sync"]
         self.version_step = {int(k): v for k, v in meta["version_step"].items()}
+        if self.vp2o:
+            self.vp2o.load_state({k[5:]: v for k, v in tensors.items() if k.startswith("vp2o/")})
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("vp2o/")}
         if self.optim_cfg.name == "ivon":
             self.opt.load_exported_state(tensors, meta["ivon"])
             return

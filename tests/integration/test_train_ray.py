@@ -110,3 +110,14 @@ def test_stop_and_resume_continues_the_same_run(ray_session, tmp_path, tiny_dens
         assert a["version"] == b["version"]
         for key in ("reward_mean", "loss", "kl_k3", "completion_tokens"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+
+
+def test_vp2o_on_the_tiny_moe(ray_session, tmp_path, tiny_moe_path):
+    cfg = _cfg(tmp_path, tiny_moe_path, "model.kind=moe", "algo.vp2o=true", "algo.exploration=c3po",
+               "vp2o.lift_hi=0.7", "vp2o.lift_lo=0.55")  # top-2 of 4 experts: every lift is below 1
+    run_dir = make_run_dir(cfg, "train")
+    summary = train(cfg, run_dir, tiny_moe_path)
+    rows = _metrics(run_dir)
+    assert summary["consumed_rollouts"] == 3 * 2 * 8
+    assert all(0.0 <= r["vp2o_clamped_frac"] <= 1.0 and r["vp2o_bandwidth_mean"] > 0 for r in rows)
+    assert all(r["vp2o_l_orth"] >= 0 for r in rows)

@@ -1,0 +1,58 @@
+"""The typed config: recipes, overrides, clear errors naming the key, resolved config round trip."""
+
+from __future__ import annotations
+
+import pytest
+
+from threepo.deploy.config import ConfigError, RunConfig, load_config, to_toml
+
+
+def test_defaults_and_overrides():
+    cfg = load_config(None, ["sampler.temperature=0.7", "algo.exploration=m3po", "runtime.mode=sync"])
+    assert isinstance(cfg, RunConfig) and cfg.sampler.temperature == 0.7
+    assert cfg.algo.exploration == "m3po" and cfg.runtime.mode == "sync"
+    assert load_config(None, ["optim.lr=3"]).optim.lr == 3.0  # an int where a float is expected
+
+
+@pytest.mark.parametrize("override,message", [
+    ("sampler.tempreature=1", "unknown config key 'sampler.tempreature'"),
+    ("nosuch.key=1", "unknown config key 'nosuch'"),
+    ("sampler.temperature=hot", "sampler.temperature: expected float"),
+    ("sampler.temperature=-1", "sampler.temperature: expected > 0"),
+    ("algo.exploration=ppo", "algo.exploration: expected one of"),
+    ("runtime.steps=1.5", "runtime.steps: expected int"),
+    ("algo.group_size=10", "algo.group_size=10: expected a multiple of algo.n_slots=4"),
+    ("sampler", "expected section.field=value"),
+])
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["algo.exploration=c3po", "optim.name=adamw"], "set optim.name=ivon"),
+    (["algo.vp2o=true"], "set model.kind=moe"),
+    (["algo.exploration=b3po"], "b3po uses one slot; set algo.n_slots=1"),
+])
+def test_contradictory_combinations_are_rejected_at_start(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_resolved_config_is_a_valid_recipe(tmp_path):
+    cfg = load_config(None, ["algo.advantage=lampo", "data.path=x.jsonl", "seed=7"])
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(cfg))
+    assert load_config(str(path)) == cfg
+
+
+def test_shipped_recipes_load():
+    from threepo.deploy.config import CONFIG_DIR
+    import os
+
+    names = [f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".toml")]
+    assert "default" in names
+    for name in names:
+        load_config(name)
+    with pytest.raises(ConfigError, match="not a shipped recipe"):
+        load_config("no-such-recipe")
