@@ -5,9 +5,11 @@ Layers (operations.md §3.5), each of which a hostile program meets:
    sees only `lo`, only its own processes, read-only binds of `/usr` and the interpreter's prefix,
    a fresh `/proc`, a minimal `/dev` and its working directory. No `/etc`, no `/home`, no `/root`.
 2. An unprivileged uid: as root, bwrap keeps only CAP_SETUID/SETGID/SETPCAP and `setpriv` drops
-   to `SandboxConfig.uid` with every capability, the bounding set and new privileges gone. As a
-   non-root caller, bwrap adds a user namespace and the program keeps the caller's (already
-   unprivileged) uid.
+   to a uid of its own with every capability, the bounding set and new privileges gone. Each run
+   holds one uid of the pool `SandboxConfig.uid ...` (claimed with a lock file, so across
+   processes on the host too): per-uid limits such as RLIMIT_NPROC are then per run, and a fork
+   bomb cannot starve a neighbour. As a non-root caller, bwrap adds a user namespace and the
+   program keeps the caller's (already unprivileged) uid.
 3. rlimits set in the child before exec (CPU time, address space, processes, file size, open
    files), a wall-clock deadline that SIGKILLs the whole process group (and with it bwrap's PID
    namespace), capped stdout/stderr read incrementally, an empty environment, stdin closed.
@@ -23,11 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import fcntl
 import logging
 import os
 import resource
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +42,8 @@ log = logging.getLogger(__name__)
 
 _SANDBOX_DIR = "/sandbox"
 _SIGNAL_EXIT = 128  # bwrap reports a child killed by signal s as exit code 128 + s
+_TIMEOUT_EXIT = 124  # coreutils `timeout` when its deadline (the in-sandbox backstop) fired
+_BACKSTOP_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -51,16 +57,20 @@ class SandboxConfig:
     memory_bytes: int = 1 << 30
     """RLIMIT_AS: address space of each process (a memory bomb gets MemoryError)."""
     max_processes: int = 64
-    """RLIMIT_NPROC: processes of the sandbox uid, which stops fork bombs. The count is per uid,
-    so sandboxes running at once under one uid share it."""
+    """RLIMIT_NPROC: processes of the run's uid, which stops fork bombs."""
     max_file_bytes: int = 16 << 20
     """RLIMIT_FSIZE: largest file the program may write."""
     max_open_files: int = 64
     """RLIMIT_NOFILE: open file descriptors per process."""
     max_output_bytes: int = 1 << 20
     """Cap on captured stdout and on captured stderr (each); past it the program is killed."""
-    uid: int = 65534
-    """Unprivileged uid (and gid) the program runs as when the sandbox is started by root."""
+    uid: int = 200000
+    """First uid (and gid) of the pool runs use when started by root. Uids without a passwd
+    entry, owning no file on the host, suit best; 65534 (nobody) works with a pool of 1."""
+    uid_pool_size: int = 256
+    """How many uids the pool holds: the most runs at once on one host."""
+    max_parallel: int = 8
+    """Runs at once through one LocalSandbox; further runs wait."""
     isolation: str = "bwrap"
     """`bwrap` (namespaces + unprivileged uid + rlimits) or `unconfined` (rlimits only: no
     network, filesystem or PID isolation; logged as a warning on every sandbox built)."""
@@ -71,7 +81,7 @@ class SandboxConfig:
         if self.isolation not in ("bwrap", "unconfined"):
             raise ValueError(f"SandboxConfig.isolation: expected 'bwrap' or 'unconfined', "
                              f"got {self.isolation!r}")
-        for name in ("wall_timeout_s", "cpu_time_s", "memory_bytes", "max_processes",
+        for name in ("wall_timeout_s", "cpu_time_s", "uid_pool_size", "max_parallel", "memory_bytes", "max_processes",
                      "max_file_bytes", "max_open_files", "max_output_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SandboxConfig.{name}: expected > 0, got {getattr(self, name)}")
@@ -110,11 +120,14 @@ def _interpreter_roots(python: str) -> list[str]:
 
 
 def _bwrap_argv(cfg: SandboxConfig, workdir: str, status_fd: int) -> list[str]:
+    root = os.geteuid() == 0
     argv = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
             "--unshare-cgroup-try", "--die-with-parent", "--new-session",
             "--json-status-fd", str(status_fd)]
-    for root in _interpreter_roots(cfg.python):
-        argv += ["--ro-bind", root, root]
+    if not root:
+        argv.append("--unshare-user")
+    for path in _interpreter_roots(cfg.python):
+        argv += ["--ro-bind", path, path]
     for top in ("/lib", "/lib64", "/bin", "/lib32", "/libx32"):
         if os.path.islink(top):
             argv += ["--symlink", os.readlink(top), top]
@@ -123,13 +136,14 @@ def _bwrap_argv(cfg: SandboxConfig, workdir: str, status_fd: int) -> list[str]:
     argv += ["--proc", "/proc", "--dev", "/dev", "--bind", workdir, _SANDBOX_DIR,
              "--chdir", _SANDBOX_DIR, "--clearenv", "--setenv", "HOME", _SANDBOX_DIR,
              "--setenv", "TMPDIR", _SANDBOX_DIR]
-    if os.geteuid() == 0:
-        # Real root: no user namespace, so drop to a real unprivileged uid inside.
-        argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP",
-                 "setpriv", f"--reuid={cfg.uid}", f"--regid={cfg.uid}", "--clear-groups",
+    if root:  # no user namespace, so setpriv drops to a real unprivileged uid inside
+        argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
+    # Backstop deadline inside: when the main child dies, bwrap's PID 1 exits and the kernel
+    # kills the whole namespace, even if this process is gone and cannot kill the group.
+    argv += ["--", "timeout", "--signal=KILL", f"{cfg.wall_timeout_s + _BACKSTOP_S:g}"]
+    if root:
+        argv += ["setpriv", f"--reuid={cfg.uid}", f"--regid={cfg.uid}", "--clear-groups",
                  "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
-    else:
-        argv.insert(1, "--unshare-user")
     return argv + [cfg.python, "-I", "-S", "main.py"]
 
 
@@ -161,6 +175,23 @@ async def _read_capped(stream: asyncio.StreamReader, cap: int, on_overflow) -> t
     return bytes(buf), False
 
 
+def _claim_uid(base: int, size: int) -> tuple[int, int]:
+    """Lock one free uid of [base, base + size) for this run; returns (uid, lock fd)."""
+    lock_dir = Path(tempfile.gettempdir(), "threepo-sandbox-uids")
+    lock_dir.mkdir(mode=0o700, exist_ok=True)
+    start = os.getpid() % size  # processes start at different places to contend less
+    for k in range(size):
+        uid = base + (start + k) % size
+        fd = os.open(lock_dir / f"{uid}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return uid, fd
+        except BlockingIOError:  # held by a run in progress: try the next uid
+            os.close(fd)
+    raise SandboxUnavailableError(f"all {size} sandbox uids from {base} are busy; raise "
+                                  "SandboxConfig.uid_pool_size or lower max_parallel")
+
+
 def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
@@ -181,6 +212,7 @@ class LocalSandbox:
     def __init__(self, config: SandboxConfig | None = None) -> None:
         self.config = config or SandboxConfig()
         self._checked = False
+        self._parallel = asyncio.Semaphore(self.config.max_parallel)
         if self.config.isolation == "unconfined":
             log.warning("LocalSandbox running UNCONFINED (isolation='unconfined'): rlimits only; "
                         "NO network isolation, NO filesystem isolation, NO PID isolation, runs as "
@@ -202,16 +234,21 @@ class LocalSandbox:
                   timeout_s: float | None = None, memory_bytes: int | None = None) -> RunResult:
         """Run `code` as `main.py` in a fresh working directory (with `files` written beside it)."""
         self._check_isolation()
-        cfg = self.config
-        if timeout_s is not None or memory_bytes is not None:
-            cfg = replace(cfg, wall_timeout_s=timeout_s or cfg.wall_timeout_s,
-                          memory_bytes=memory_bytes or cfg.memory_bytes)
-        workdir = tempfile.mkdtemp(prefix="threepo-sandbox-")
-        try:
-            self._populate(workdir, code, stdin, files or {}, cfg)
-            return await self._execute(cfg, workdir)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+        cfg = replace(self.config, wall_timeout_s=timeout_s or self.config.wall_timeout_s,
+                      memory_bytes=memory_bytes or self.config.memory_bytes)
+        async with self._parallel:
+            lease = None
+            if os.geteuid() == 0 and cfg.isolation == "bwrap":
+                uid, lease = _claim_uid(cfg.uid, cfg.uid_pool_size)
+                cfg = replace(cfg, uid=uid)
+            workdir = tempfile.mkdtemp(prefix="threepo-sandbox-")
+            try:
+                self._populate(workdir, code, stdin, files or {}, cfg)
+                return await self._execute(cfg, workdir)
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+                if lease is not None:
+                    os.close(lease)  # releases the flock
 
     def _populate(self, workdir: str, code: str, stdin: str | None, files: dict[str, bytes],
                   cfg: SandboxConfig) -> None:
@@ -230,48 +267,79 @@ class LocalSandbox:
     async def _execute(self, cfg: SandboxConfig, workdir: str) -> RunResult:
         status_r, status_w = os.pipe()
         stdin_path = Path(workdir, ".stdin")
-        stdin = open(stdin_path, "rb") if stdin_path.exists() else None
         if cfg.isolation == "bwrap":
             argv, cwd, pass_fds = _bwrap_argv(cfg, workdir, status_w), None, (status_w,)
         else:
             argv, cwd, pass_fds = [cfg.python, "-I", "-S", "main.py"], workdir, ()
         start = time.monotonic()
+        # A plain Popen, not asyncio's: its cancellation path kills bwrap alone, which can strand
+        # a half-built sandbox PID 1 holding our pipes. Here every exit path kills the group.
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv, cwd=cwd, env={}, stdin=stdin or asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                start_new_session=True, pass_fds=pass_fds, preexec_fn=lambda: _set_limits(cfg))
+            with open(stdin_path, "rb") if stdin_path.exists() else open(os.devnull, "rb") as stdin:
+                proc = subprocess.Popen(argv, cwd=cwd, env={}, stdin=stdin, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, start_new_session=True,
+                                        pass_fds=pass_fds, preexec_fn=lambda: _set_limits(cfg))
         finally:
             os.close(status_w)
-            if stdin is not None:
-                stdin.close()
         try:
             return await _supervise(proc, cfg, start, status_r)
         finally:
+            if proc.returncode is None:  # cancelled or failed: the program must not outlive us
+                _kill_group(proc.pid)
+                proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
             os.close(status_r)
 
 
-async def _supervise(proc: asyncio.subprocess.Process, cfg: SandboxConfig, start: float,
+async def _pipe_reader(pipe) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
+    return reader, transport
+
+
+async def _exited(pid: int) -> None:
+    """Wait for `pid` to exit without reaping it (a pidfd becomes readable at exit)."""
+    loop = asyncio.get_running_loop()
+    pidfd = os.pidfd_open(pid)
+    done = loop.create_future()
+    loop.add_reader(pidfd, lambda: done.done() or done.set_result(None))
+    try:
+        await done
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+
+
+async def _supervise(proc: subprocess.Popen, cfg: SandboxConfig, start: float,
                      status_r: int) -> RunResult:
     """Wait for `proc` under the deadline and the output caps, then classify the outcome."""
     kill = lambda: _kill_group(proc.pid)  # noqa: E731
-    out = asyncio.ensure_future(_read_capped(proc.stdout, cfg.max_output_bytes, kill))
-    err = asyncio.ensure_future(_read_capped(proc.stderr, cfg.max_output_bytes, kill))
-    waiter = asyncio.ensure_future(proc.wait())
-    _, pending = await asyncio.wait([out, err, waiter], timeout=cfg.wall_timeout_s)
-    timed_out = bool(pending)
-    if timed_out:
-        kill()
-        # The PID namespace dies with bwrap, which closes the pipes; bound the wait anyway
-        # (unconfined, an escaped grandchild could hold them open).
-        _, still = await asyncio.wait([out, err, waiter], timeout=5.0)
-        for task in still:
+    (out_r, out_t), (err_r, err_t) = await _pipe_reader(proc.stdout), await _pipe_reader(proc.stderr)
+    out = asyncio.ensure_future(_read_capped(out_r, cfg.max_output_bytes, kill))
+    err = asyncio.ensure_future(_read_capped(err_r, cfg.max_output_bytes, kill))
+    waiter = asyncio.ensure_future(_exited(proc.pid))
+    tasks = [out, err, waiter]
+    try:
+        _, pending = await asyncio.wait(tasks, timeout=cfg.wall_timeout_s)
+        timed_out = bool(pending)
+        if timed_out:
+            kill()
+            # The PID namespace dies with bwrap, which closes the pipes; bound the wait anyway
+            # (unconfined, an escaped grandchild could hold them open).
+            await asyncio.wait(tasks, timeout=5.0)
+    finally:
+        if not waiter.done():
+            kill()  # cancelled, or the pipes outlived the kill
+        for task in tasks:
             task.cancel()
+        out_t.close()
+        err_t.close()
+    proc.wait()  # the group is dead or dying: reaps at once
     elapsed = time.monotonic() - start
     stdout, out_over = out.result() if out.done() and not out.cancelled() else (b"", False)
     stderr, err_over = err.result() if err.done() and not err.cancelled() else (b"", False)
-    if proc.returncode is None:
-        await proc.wait()
     started = cfg.isolation == "unconfined" or b"child-pid" in _read_all(status_r)
     status = _classify(started, timed_out, out_over or err_over, proc.returncode)
     return RunResult(status, proc.returncode, stdout.decode(errors="replace"),
@@ -297,6 +365,6 @@ def _classify(started: bool, timed_out: bool, over: bool, code: int) -> RunStatu
     if not started:
         return RunStatus.SANDBOX_ERROR
     cpu_signals = {signal.SIGXCPU, signal.SIGKILL}
-    if code in {-s for s in cpu_signals} | {_SIGNAL_EXIT + s for s in cpu_signals}:
+    if code in {-s for s in cpu_signals} | {_SIGNAL_EXIT + s for s in cpu_signals} | {_TIMEOUT_EXIT}:
         return RunStatus.TIMEOUT
     return RunStatus.FINISHED

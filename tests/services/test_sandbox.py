@@ -41,8 +41,13 @@ def pids_of_uid(uid: int) -> list[int]:
 def test_plain_program_runs_as_unprivileged_user_in_its_own_directory():
     r = run("import os; print(os.getuid(), os.getcwd()); print(open('main.py').read()[:6])")
     assert r.status is RunStatus.FINISHED and r.return_code == 0
-    assert r.stdout.split("\n")[0] == ("65534 /sandbox" if os.geteuid() == 0
-                                       else f"{os.geteuid()} /sandbox")
+    uid, cwd = r.stdout.split("\n")[0].split()
+    cfg = SandboxConfig()
+    assert cwd == "/sandbox"
+    if os.geteuid() == 0:
+        assert cfg.uid <= int(uid) < cfg.uid + cfg.uid_pool_size
+    else:
+        assert int(uid) == os.geteuid()
     assert "import" in r.stdout
 
 
@@ -57,7 +62,7 @@ def test_sleep_past_deadline_kills_whole_group():
     uid = 64000 + os.getpid() % 1000  # a uid of its own, so leftovers are easy to find
     code = "import os, time\nos.fork(); os.fork()\nprint('up', flush=True)\ntime.sleep(60)"
     start = time.monotonic()
-    r = run(code, wall_timeout_s=1.0, uid=uid)
+    r = run(code, wall_timeout_s=1.0, uid=uid, uid_pool_size=1)
     assert r.status is RunStatus.TIMEOUT
     assert time.monotonic() - start < 4
     if os.geteuid() == 0:
@@ -67,11 +72,24 @@ def test_sleep_past_deadline_kills_whole_group():
 def test_fork_bomb_is_contained():
     uid = 63000 + os.getpid() % 1000
     code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
-    r = run(code, wall_timeout_s=1.5, max_processes=32, uid=uid)
+    r = run(code, wall_timeout_s=1.5, max_processes=32, uid=uid, uid_pool_size=1)
     assert r.status is RunStatus.TIMEOUT
     if os.geteuid() == 0:
         assert pids_of_uid(uid) == []
     assert subprocess.run(["true"]).returncode == 0  # we can still fork
+
+
+def test_concurrent_runs_get_their_own_uids_so_a_fork_bomb_cannot_starve_a_neighbour():
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    box = LocalSandbox(SandboxConfig(wall_timeout_s=1.5, max_processes=16, uid_pool_size=4))
+
+    async def both():
+        return await asyncio.gather(box.run(bomb), box.run(
+            "import os, time\ntime.sleep(0.7)\npid = os.fork()\nif pid == 0:\n    os._exit(0)\n"
+            "os.waitpid(pid, 0)\nprint('forked')"))
+    bombed, neighbour = asyncio.run(both())
+    assert bombed.status is RunStatus.TIMEOUT
+    assert neighbour.status is RunStatus.FINISHED and neighbour.stdout == "forked\n", neighbour.stderr
 
 
 def test_memory_bomb_gets_memory_error():
@@ -184,3 +202,31 @@ def test_config_rejects_bad_values():
         SandboxConfig(uid=0)
     with pytest.raises(ValueError, match="SandboxConfig.wall_timeout_s"):
         SandboxConfig(wall_timeout_s=0)
+
+
+def test_cancelled_run_leaves_no_process_behind():
+    uid = 62000 + os.getpid() % 1000
+
+    async def cancel_soon(delay):
+        task = asyncio.ensure_future(LocalSandbox(SandboxConfig(uid=uid, uid_pool_size=1)).run(
+            "import os, time\nos.fork()\ntime.sleep(60)"))
+        await asyncio.sleep(delay)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    for delay in (0.0, 0.001, 0.3):  # during setup and while running
+        start = time.monotonic()
+        asyncio.run(cancel_soon(delay))
+        assert time.monotonic() - start < 3
+        if os.geteuid() == 0:
+            time.sleep(0.1)
+            assert pids_of_uid(uid) == []
+    assert not [p for p in Path("/proc").glob("[0-9]*/cmdline")
+                if p.exists() and b"threepo-sandbox" in _safe_read(p)]
+
+
+def _safe_read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:  # the process exited while we looked
+        return b""
