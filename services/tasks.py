@@ -21,6 +21,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from threepo.services.code_tasks import generate_code
 from threepo.services.messages import TaskItem
 
 # The tokenizer's alphabet: changing it changes every token id, so it belongs to the task format.
@@ -39,10 +40,10 @@ class TaskConfig:
     """Which synthetic task a run trains and evaluates on."""
 
     family: str = "arith"
-    """Task family, a key of `FAMILIES` ("arith" or "countdown")."""
+    """Task family, a key of `FAMILIES` ("arith", "countdown" or "code")."""
     difficulty: int = 2
     """arith: 1 = 1-2 digit + and -, 2 = mixed 2-digit + - *, 3 = 2-digit x 2-digit only;
-    countdown: 1 = three numbers, 2 = four numbers."""
+    countdown: 1 = three numbers, 2 = four numbers; code: see services/code_tasks.py."""
     seed: int = 0
     """Seed of the item stream; splits do not depend on it."""
 
@@ -97,6 +98,8 @@ def split_of(key: str) -> str:
 def expected_completion(item: TaskItem) -> str:
     """The SFT target for `item`: `\\boxed{answer}`, or for countdown the reference expression
     boxed (the final `\\boxed{...}` of its solution)."""
+    if item.verifier == "code_output":  # the reference program, boxed
+        return f"\\boxed{{{item.solution}}}"
     if item.verifier == "countdown":
         start = item.solution.rfind("\\boxed{")
         if start < 0:
@@ -197,4 +200,5 @@ Generator = Callable[[random.Random, int], tuple[str, TaskItem]]
 FAMILIES: dict[str, Generator] = {
     "arith": generate_arith,
     "countdown": generate_countdown,
+    "code": generate_code,
 }
