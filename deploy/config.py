@@ -49,7 +49,7 @@ class RuntimeConfig:
     mode: Literal["async", "sync"] = "async"
     """async: sampling, verification and learning overlap under a staleness bound; sync: one phase
     after another on the same components (for comparison)."""
-    steps: int = 150
+    steps: int = 250
     """Learner steps to run."""
     prompts_per_step: int = 8
     """Prompts whose groups make one learner step (M3PO: each prompt gives M groups)."""
@@ -72,8 +72,9 @@ class RuntimeConfig:
     """Learner steps between checkpoints (0 = only at the end)."""
     keep_checkpoints: int = 2
     """Checkpoints kept in the run directory."""
-    eval_every: int = 0
-    """Learner steps between held-out evaluations during training (0 = only before and after)."""
+    eval_every: int = 50
+    """Learner steps between held-out evaluations during training, one sample per item at the
+    sampling temperature (0 = only the before/after evaluation of `threepo train`)."""
     ray_address: str = ""
     """Ray cluster to join ('' = start a local one; 'auto' = the cluster this runs in)."""
     metrics_port: int = 0

@@ -79,3 +79,9 @@ def test_sandbox_failure_is_infra_error_with_nan_reward():
 def test_unknown_verifier_name_lists_known_ones():
     with pytest.raises(KeyError, match="code_output"):
         load_verifier("no_such_verifier")
+
+
+@needs_bwrap
+def test_sandbox_that_cannot_start_is_infra_error_not_zero():
+    r = verify("code_output", "\\boxed{print(12*7)}", python="/nonexistent/bin/python3")
+    assert r.status is VerifyStatus.INFRA_ERROR and math.isnan(r.reward), r.details
