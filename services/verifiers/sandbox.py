@@ -119,11 +119,10 @@ def _interpreter_roots(python: str) -> list[str]:
     return roots
 
 
-def _bwrap_argv(cfg: SandboxConfig, workdir: str, status_fd: int) -> list[str]:
+def _bwrap_argv(cfg: SandboxConfig, workdir: str, started_fd: int) -> list[str]:
     root = os.geteuid() == 0
     argv = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
-            "--unshare-cgroup-try", "--die-with-parent", "--new-session",
-            "--json-status-fd", str(status_fd)]
+            "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
     if not root:
         argv.append("--unshare-user")
     for path in _interpreter_roots(cfg.python):
@@ -144,7 +143,21 @@ def _bwrap_argv(cfg: SandboxConfig, workdir: str, status_fd: int) -> list[str]:
     if root:
         argv += ["setpriv", f"--reuid={cfg.uid}", f"--regid={cfg.uid}", "--clear-groups",
                  "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
-    return argv + [cfg.python, "-I", "-S", "main.py"]
+    return argv + _python_argv(cfg, started_fd)
+
+
+def _python_argv(cfg: SandboxConfig, started_fd: int) -> list[str]:
+    """The interpreter running main.py, after writing one byte to `started_fd` and closing it.
+
+    That byte is how the parent tells "the sandbox failed to start" (infra_error) from "the
+    program failed": it is written before the program runs, so a program cannot take it back
+    and pass its own failure off as an infrastructure failure (a NaN reward, out of the batch).
+    """
+    launcher = (f"import os, sys; os.write({started_fd}, b'1'); os.close({started_fd}); "
+                "sys.argv[:] = ['main.py']; exec(compile(open('main.py').read(), 'main.py', "
+                "'exec'), {'__name__': '__main__', '__file__': 'main.py', "
+                "'__builtins__': __builtins__})")
+    return [cfg.python, "-I", "-S", "-c", launcher]
 
 
 def _set_limits(cfg: SandboxConfig) -> None:
@@ -265,12 +278,12 @@ class LocalSandbox:
                 os.chown(path, cfg.uid, cfg.uid)
 
     async def _execute(self, cfg: SandboxConfig, workdir: str) -> RunResult:
-        status_r, status_w = os.pipe()
+        started_r, started_w = os.pipe()
         stdin_path = Path(workdir, ".stdin")
         if cfg.isolation == "bwrap":
-            argv, cwd, pass_fds = _bwrap_argv(cfg, workdir, status_w), None, (status_w,)
+            argv, cwd = _bwrap_argv(cfg, workdir, started_w), None
         else:
-            argv, cwd, pass_fds = [cfg.python, "-I", "-S", "main.py"], workdir, ()
+            argv, cwd = _python_argv(cfg, started_w), workdir
         start = time.monotonic()
         # A plain Popen, not asyncio's: its cancellation path kills bwrap alone, which can strand
         # a half-built sandbox PID 1 holding our pipes. Here every exit path kills the group.
@@ -278,18 +291,18 @@ class LocalSandbox:
             with open(stdin_path, "rb") if stdin_path.exists() else open(os.devnull, "rb") as stdin:
                 proc = subprocess.Popen(argv, cwd=cwd, env={}, stdin=stdin, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, start_new_session=True,
-                                        pass_fds=pass_fds, preexec_fn=lambda: _set_limits(cfg))
+                                        pass_fds=(started_w,), preexec_fn=lambda: _set_limits(cfg))
         finally:
-            os.close(status_w)
+            os.close(started_w)
         try:
-            return await _supervise(proc, cfg, start, status_r)
+            return await _supervise(proc, cfg, start, started_r)
         finally:
             if proc.returncode is None:  # cancelled or failed: the program must not outlive us
                 _kill_group(proc.pid)
                 proc.wait()
             proc.stdout.close()
             proc.stderr.close()
-            os.close(status_r)
+            os.close(started_r)
 
 
 async def _pipe_reader(pipe) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
@@ -313,7 +326,7 @@ async def _exited(pid: int) -> None:
 
 
 async def _supervise(proc: subprocess.Popen, cfg: SandboxConfig, start: float,
-                     status_r: int) -> RunResult:
+                     started_r: int) -> RunResult:
     """Wait for `proc` under the deadline and the output caps, then classify the outcome."""
     kill = lambda: _kill_group(proc.pid)  # noqa: E731
     (out_r, out_t), (err_r, err_t) = await _pipe_reader(proc.stdout), await _pipe_reader(proc.stderr)
@@ -340,7 +353,7 @@ async def _supervise(proc: subprocess.Popen, cfg: SandboxConfig, start: float,
     elapsed = time.monotonic() - start
     stdout, out_over = out.result() if out.done() and not out.cancelled() else (b"", False)
     stderr, err_over = err.result() if err.done() and not err.cancelled() else (b"", False)
-    started = cfg.isolation == "unconfined" or b"child-pid" in _read_all(status_r)
+    started = _read_all(started_r).startswith(b"1")
     status = _classify(started, timed_out, out_over or err_over, proc.returncode)
     return RunResult(status, proc.returncode, stdout.decode(errors="replace"),
                      stderr.decode(errors="replace"), elapsed)

@@ -39,7 +39,8 @@ def pids_of_uid(uid: int) -> list[int]:
 
 
 def test_plain_program_runs_as_unprivileged_user_in_its_own_directory():
-    r = run("import os; print(os.getuid(), os.getcwd()); print(open('main.py').read()[:6])")
+    r = run("import os, sys; print(os.getuid(), os.getcwd()); print(open('main.py').read()[:6]);"
+            "print(__name__, sys.argv)")
     assert r.status is RunStatus.FINISHED and r.return_code == 0
     uid, cwd = r.stdout.split("\n")[0].split()
     cfg = SandboxConfig()
@@ -48,7 +49,7 @@ def test_plain_program_runs_as_unprivileged_user_in_its_own_directory():
         assert cfg.uid <= int(uid) < cfg.uid + cfg.uid_pool_size
     else:
         assert int(uid) == os.geteuid()
-    assert "import" in r.stdout
+    assert "import" in r.stdout and "__main__ ['main.py']" in r.stdout
 
 
 def test_infinite_loop_hits_cpu_limit_fast():
