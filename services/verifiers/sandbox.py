@@ -231,7 +231,8 @@ class LocalSandbox:
                         "NO network isolation, NO filesystem isolation, NO PID isolation, runs as "
                         "uid %d. Use only for trusted code.", os.geteuid())
 
-    def _check_isolation(self) -> None:
+    async def _check_isolation(self) -> None:
+        """Once: bwrap is there and can build a sandbox here (namespaces may be forbidden)."""
         if self._checked or self.config.isolation == "unconfined":
             return
         if shutil.which("bwrap") is None:
@@ -242,11 +243,18 @@ class LocalSandbox:
             raise SandboxUnavailableError("running as root needs util-linux `setpriv` to drop "
                                           "privileges inside the sandbox; it is not on PATH")
         self._checked = True
+        probe = await self.run("print('ok')")
+        if probe.status is not RunStatus.FINISHED or probe.stdout != "ok\n":
+            self._checked = False
+            raise SandboxUnavailableError(
+                f"bubblewrap cannot build a sandbox on this machine ({probe.status.value}): "
+                f"{probe.stderr.strip()[-500:]}; user or network namespaces may be forbidden "
+                "(container seccomp/AppArmor profile); use a remote sandbox instead")
 
     async def run(self, code: str, stdin: str | None = None, files: dict[str, bytes] | None = None,
                   timeout_s: float | None = None, memory_bytes: int | None = None) -> RunResult:
         """Run `code` as `main.py` in a fresh working directory (with `files` written beside it)."""
-        self._check_isolation()
+        await self._check_isolation()
         cfg = replace(self.config, wall_timeout_s=timeout_s or self.config.wall_timeout_s,
                       memory_bytes=memory_bytes or self.config.memory_bytes)
         async with self._parallel:

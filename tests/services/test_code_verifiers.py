@@ -10,7 +10,8 @@ from threepo.services.messages import TaskItem, VerifyRequest, VerifyStatus
 from threepo.services.verifiers.base import load_verifier
 from threepo.services.verifiers.code_verifiers import (extract_program, normalize_output,
                                                        score_run)
-from threepo.services.verifiers.sandbox import RunResult, RunStatus
+from threepo.services.verifiers.sandbox import (RunResult, RunStatus, SandboxConfig,
+                                                SandboxUnavailableError)
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
                                  reason="bubblewrap missing: apt-get install -y bubblewrap")
@@ -83,5 +84,15 @@ def test_unknown_verifier_name_lists_known_ones():
 
 @needs_bwrap
 def test_sandbox_that_cannot_start_is_infra_error_not_zero():
-    r = verify("code_output", "\\boxed{print(12*7)}", python="/nonexistent/bin/python3")
+    verifier = load_verifier("code_output")
+    request = VerifyRequest(item(), "\\boxed{print(12*7)}")
+    assert asyncio.run(verifier.verify(request)).status is VerifyStatus.OK  # probe passed
+    verifier.sandbox.config = SandboxConfig(python="/nonexistent/bin/python3")  # breaks later
+    r = asyncio.run(verifier.verify(request))
     assert r.status is VerifyStatus.INFRA_ERROR and math.isnan(r.reward), r.details
+
+
+@needs_bwrap
+def test_misconfigured_sandbox_refuses_at_first_use():
+    with pytest.raises(SandboxUnavailableError, match="cannot build a sandbox"):
+        verify("code_output", "\\boxed{print(12*7)}", python="/nonexistent/bin/python3")
