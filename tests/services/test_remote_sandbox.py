@@ -186,3 +186,17 @@ def test_server_rejects_bad_requests_with_400():
         finally:
             await runner.cleanup()
     assert asyncio.run(go()) == (400, 400, "pong")
+
+
+def test_stdin_and_files_travel_over_http():
+    async def go():
+        runner, url = await serve()
+        client = SandboxClient(client_config(url))
+        try:
+            return await client.run_code("print(input() + open('d/x.txt').read())", stdin="ab\n",
+                                         files={"d/x.txt": b"cd"})
+        finally:
+            await client.aclose()
+            await runner.cleanup()
+    response = asyncio.run(go())
+    assert response.status == "Success" and response.run_result.stdout == "abcd\n"
