@@ -2,7 +2,6 @@
 front of it: retried where safe, `infra_error` (NaN) otherwise, never reward 0."""
 
 import asyncio
-import json
 import math
 import shutil
 import socket

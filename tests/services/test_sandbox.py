@@ -5,7 +5,6 @@ import asyncio
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
