@@ -1,0 +1,138 @@
+"""Helpers shared by the benchmark scripts: arguments, the model to serve, short training runs on
+Ray, figures from metrics.jsonl, tables and the results file (benchmarks/results/<name>.json).
+
+Every script takes `--model PATH` (default: the bootstrapped embedded default, built and cached on
+first use; `--model tiny` builds a random tiny checkpoint for smoke runs), `--quick` and trailing
+`section.field=value` overrides applied to every run it starts. Scripts report figures; they never
+assert timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# quiet runs: no periodic checkpoints, no held-out evaluation inside the timed loop
+RUN_DEFAULTS = ("runtime.checkpoint_every=0", "runtime.eval_every=0")
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The common arguments; each script adds its own."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc)
+    p.add_argument("--model", default="", help="checkpoint to serve ('' = the embedded default, "
+                                                "bootstrapped and cached on first use; 'tiny' = random tiny model)")
+    p.add_argument("--quick", action="store_true", help="a smoke run (under a minute): fewer, shorter runs")
+    p.add_argument("overrides", nargs="*", help="section.field=value overrides for every run")
+    return p
+
+
+def model_path(args: argparse.Namespace) -> str:
+    """`--model`, a fresh random tiny checkpoint for 'tiny', or the cached embedded default."""
+    if args.model == "tiny":
+        return save_tiny(tempfile.mkdtemp(prefix="threepo-bench-tiny-"))
+    if args.model:
+        return args.model
+    from threepo.deploy.cli import policy_path
+    from threepo.deploy.config import load_config
+
+    return policy_path(load_config(None, args.overrides))
+
+
+def save_tiny(directory: str) -> str:
+    """A randomly initialised tiny Qwen2 with the char tokenizer (as tests/conftest.py builds it)."""
+    from threepo.services.modeling import ModelConfig, build_model
+    from threepo.services.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    cfg = ModelConfig(kind="dense", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      intermediate_size=128)
+    model = build_model(cfg, vocab_size=72, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, seed=0)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def config(model: str, overrides=(), runs_dir: str = ""):
+    """The run config: defaults <- quiet-run settings <- `overrides`, serving `model`."""
+    from threepo.deploy.config import load_config
+
+    extra = [f"runs_dir={runs_dir}"] if runs_dir else []
+    return load_config(None, [f"model.path={model}", *RUN_DEFAULTS, *extra, *overrides])
+
+
+def train_run(model: str, overrides, label: str) -> dict:
+    """One `threepo train` run (the real driver on local Ray) in a temporary directory; returns its
+    summary, its metrics rows and loop figures (see `loop_figures`)."""
+    from threepo.deploy.cli import make_run_dir
+    from threepo.deploy.run import train
+
+    with tempfile.TemporaryDirectory(prefix="threepo-bench-") as runs:
+        cfg = config(model, overrides, runs)
+        run_dir = make_run_dir(cfg, "train")
+        print(f"[{label}] {cfg.runtime.mode} {cfg.algo.exploration} N={cfg.algo.n_slots} "
+              f"G={cfg.algo.group_size} optim={cfg.optim.name}, {cfg.runtime.steps} steps", file=sys.stderr)
+        summary = train(cfg, run_dir, model)
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+    return {"label": label, "summary": {k: v for k, v in summary.items() if k != "report"},
+            "rows": rows, **loop_figures(rows)}
+
+
+def loop_figures(rows: list[dict]) -> dict:
+    """Figures of the training loop without its first step (warm-up: actors load, first batches):
+    generated tokens/s, consumed rollouts/s, wall time per step and mean learner step time."""
+    if len(rows) < 2:
+        raise ValueError(f"loop figures need at least 2 steps (the first is warm-up), got {len(rows)}")
+    timed = rows[1:]
+    wall = rows[-1]["time_s"] - rows[0]["time_s"]
+    return {
+        "timed_steps": len(timed),
+        "loop_wall_s": wall,
+        "tokens_per_s": sum(r["completion_tokens"] for r in timed) / wall,
+        "rollouts_per_s": (rows[-1]["consumed_rollouts"] - rows[0]["consumed_rollouts"]) / wall,
+        "step_wall_s": wall / len(timed),
+        "learner_step_s": statistics.mean(r["step_time_s"] for r in timed),
+        "tokens_per_step": statistics.mean(r["completion_tokens"] for r in timed),
+    }
+
+
+def task_prompts(count: int, seed: int = 0) -> list:
+    """`count` train items of the default task (the prompts a default run samples)."""
+    from threepo.deploy.config import RunConfig
+    from threepo.services.tasks import generate_items
+
+    task = RunConfig().task
+    return generate_items(task.family, "train", count, seed=task.seed + seed, difficulty=task.difficulty)
+
+
+def table(title: str, headers: list[str], rows: list[list]) -> str:
+    """A plain-text table; floats get 3 significant decimals."""
+    cells = [[f"{c:.3g}" if isinstance(c, float) and abs(c) < 100 else
+              (f"{c:,.0f}" if isinstance(c, float) else str(c)) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = "  ".join("-" * w for w in widths)
+    out = [title, line, "  ".join(h.rjust(w) for h, w in zip(headers, widths)), line]
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    text = "\n".join(out + [line])
+    print(text)
+    return text
+
+
+def write_results(name: str, data: dict) -> str:
+    """benchmarks/results/<name>.json (git-ignored)."""
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    path = os.path.join(RESULTS_DIR, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, default=str)
+    print(f"results: {path}")
+    return path

@@ -1,0 +1,120 @@
+"""HF engine tokens/s: batch sizes x torch threads in one process, then single-thread engines in
+separate processes side by side (the deployment layout: one sampler actor per core).
+
+Sampling is T=1 with max_new_tokens 16 (the default sampler config) on distinct train prompts of
+the default task; tokens are the generated completion tokens (a sequence stops at EOS). Each
+measurement takes one warm-up call, then calls until `--seconds` have passed.
+
+    python3 benchmarks/engine_throughput.py                 # embedded default model
+    python3 benchmarks/engine_throughput.py --quick --model tiny
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import _common
+
+MAX_NEW_TOKENS = 16
+
+
+def measure(engine, prompts: list, seconds: float, deadline: float | None = None) -> tuple[int, float]:
+    """(generated tokens, elapsed seconds) of repeated generate calls over `prompts`; with `deadline`
+    (a time.time() value) calls run until then instead of for `seconds`."""
+    from threepo.services.messages import SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, n=1)
+    tokens, calls, start = 0, 0, time.perf_counter()
+    while True:
+        out = engine.generate(prompts, params, seed=calls)
+        tokens += sum(len(s.token_ids) for per_prompt in out for s in per_prompt)
+        calls += 1
+        now = time.perf_counter()
+        if (time.time() >= deadline) if deadline else (now - start >= seconds):
+            return tokens, now - start
+
+
+def make_engine(model: str, threads: int, batch: int, engine_id: int = 0):
+    from threepo.services.engines.base import SamplerConfig
+    from threepo.services.engines.hf import HFEngine
+
+    return HFEngine(model, SamplerConfig(threads=threads, batch_size=batch, max_new_tokens=MAX_NEW_TOKENS),
+                    engine_id=engine_id)
+
+
+def worker(model: str, batch: int, engine_id: int, ready, start_at, results) -> None:
+    """One single-thread engine process: warm up, wait for the common start, run until the deadline."""
+    engine = make_engine(model, threads=1, batch=batch, engine_id=engine_id)
+    prompts = [it.prompt for it in _common.task_prompts(batch, seed=engine_id)]
+    measure(engine, prompts, seconds=0.0)
+    ready.put(engine_id)
+    begin, end = start_at.get()
+    while time.time() < begin:
+        time.sleep(0.005)
+    results.put((engine_id, *measure(engine, prompts, 0.0, deadline=end)))
+
+
+def side_by_side(model: str, batch: int, processes: int, seconds: float) -> list[tuple[int, int, float]]:
+    """(engine id, tokens, elapsed) of `processes` single-thread engines running at the same time."""
+    ctx = mp.get_context("spawn")
+    ready, start_at, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(model, batch, i, ready, start_at, results)) for i in range(processes)]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        ready.get(timeout=600)
+    begin = time.time() + 0.5
+    for _ in procs:
+        start_at.put((begin, begin + seconds))
+    out = sorted(results.get(timeout=600 + seconds) for _ in procs)
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise RuntimeError(f"engine process exited with code {p.exitcode}")
+    return out
+
+
+def main() -> None:
+    p = _common.parser(__doc__)
+    p.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256], help="engine batch sizes")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads of one engine")
+    p.add_argument("--processes", type=int, default=2, help="single-thread engines side by side")
+    p.add_argument("--pair-batch", type=int, default=64, help="batch size of the side-by-side engines "
+                                                                "(the default sampler.batch_size)")
+    p.add_argument("--seconds", type=float, default=8.0, help="measuring time per configuration")
+    args = p.parse_args()
+    if args.quick:
+        args.batches, args.seconds = [16, 64], 2.0
+    model = _common.model_path(args)
+    import torch
+
+    rows, results = [], {"model": model, "max_new_tokens": MAX_NEW_TOKENS, "single_process": [], "side_by_side": {}}
+    engine = make_engine(model, threads=1, batch=max(args.batches))
+    for batch in args.batches:
+        prompts = [it.prompt for it in _common.task_prompts(batch)]
+        engine.cfg = engine.cfg.__class__(**{**engine.cfg.__dict__, "batch_size": batch})
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            measure(engine, prompts, seconds=0.0)  # warm-up
+            tokens, elapsed = measure(engine, prompts, args.seconds)
+            rate = tokens / elapsed
+            rows.append([batch, threads, 1, tokens, rate, rate / threads])
+            results["single_process"].append({"batch": batch, "threads": threads, "tokens": tokens,
+                                              "seconds": elapsed, "tokens_per_s": rate})
+    pair = side_by_side(model, args.pair_batch, args.processes, args.seconds)
+    aggregate = sum(tokens / elapsed for _, tokens, elapsed in pair)
+    rows.append([args.pair_batch, 1, args.processes, sum(t for _, t, _ in pair), aggregate, aggregate / args.processes])
+    results["side_by_side"] = {"batch": args.pair_batch, "processes": args.processes, "tokens_per_s": aggregate,
+                               "per_engine": [{"engine": i, "tokens": t, "seconds": s} for i, t, s in pair]}
+    _common.table(f"HF engine tokens/s (T=1, max_new_tokens {MAX_NEW_TOKENS}, {args.seconds:.0f}s each)",
+                  ["batch", "threads", "processes", "tokens", "tokens/s", "tokens/s/core"], rows)
+    one = next((r for r in results["single_process"] if r["batch"] == args.pair_batch and r["threads"] == 1), None)
+    if one:
+        print(f"{args.processes} single-thread engines side by side: {aggregate:,.0f} tokens/s = "
+              f"{aggregate / one['tokens_per_s']:.2f}x one engine at batch {args.pair_batch}")
+    _common.write_results("engine_throughput", {**results, "args": vars(args)})
+
+
+if __name__ == "__main__":
+    main()
