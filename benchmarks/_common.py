@@ -72,7 +72,7 @@ def config(model: str, overrides=(), runs_dir: str = ""):
 
 def train_run(model: str, overrides, label: str) -> dict:
     """One `threepo train` run (the real driver on local Ray) in a temporary directory; returns its
-    summary, its metrics rows and loop figures (see `loop_figures`)."""
+    summary, its metrics rows and, from 3 steps on, loop figures (see `loop_figures`)."""
     from threepo.deploy.cli import make_run_dir
     from threepo.deploy.run import train
 
@@ -85,25 +85,43 @@ def train_run(model: str, overrides, label: str) -> dict:
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f]
     return {"label": label, "summary": {k: v for k, v in summary.items() if k != "report"},
-            "rows": rows, **loop_figures(rows)}
+            "rows": rows, **(loop_figures(rows) if len(rows) >= 3 else {})}
 
 
 def loop_figures(rows: list[dict]) -> dict:
-    """Figures of the training loop without its first step (warm-up: actors load, first batches):
-    generated tokens/s, consumed rollouts/s, wall time per step and mean learner step time."""
-    if len(rows) < 2:
-        raise ValueError(f"loop figures need at least 2 steps (the first is warm-up), got {len(rows)}")
-    timed = rows[1:]
-    wall = rows[-1]["time_s"] - rows[0]["time_s"]
+    """Figures of the training loop over steps 2..T-1: generated tokens/s, consumed rollouts/s, wall
+    time per step and mean learner step time. Step 1 is warm-up (actors load, first batches). The
+    last step is left out too: in async mode, rollouts of step k+1 are generated while step k trains,
+    so the window from the end of step 1 starts with part of step 2 already generated; ending it at
+    step T-1, when part of step T is generated, balances that (ending at T, when the run has stopped
+    admitting, would count the head start as speed)."""
+    if len(rows) < 3:
+        raise ValueError(f"loop figures need at least 3 steps (first and last are left out), got {len(rows)}")
+    timed = rows[1:-1]
+    wall = rows[-2]["time_s"] - rows[0]["time_s"]
     return {
         "timed_steps": len(timed),
         "loop_wall_s": wall,
         "tokens_per_s": sum(r["completion_tokens"] for r in timed) / wall,
-        "rollouts_per_s": (rows[-1]["consumed_rollouts"] - rows[0]["consumed_rollouts"]) / wall,
+        "rollouts_per_s": (rows[-2]["consumed_rollouts"] - rows[0]["consumed_rollouts"]) / wall,
         "step_wall_s": wall / len(timed),
         "learner_step_s": statistics.mean(r["step_time_s"] for r in timed),
         "tokens_per_step": statistics.mean(r["completion_tokens"] for r in timed),
+        "timed_tokens": sum(r["completion_tokens"] for r in timed),
     }
+
+
+def posterior_arrays(model: str, cfg) -> tuple[dict, dict | None]:
+    """(mean, σ) as the learner first publishes them: the checkpoint and IVON's initial σ."""
+    import numpy as np
+
+    from threepo.services.modeling import load_model, trainable_named_parameters
+
+    mean = {n: p.detach().float().numpy().copy() for n, p in trainable_named_parameters(load_model(model))}
+    if cfg.algo.exploration == "grpo":
+        return mean, None
+    value = 1.0 / np.sqrt(cfg.optim.ess * (cfg.optim.hess_init + cfg.optim.weight_decay))
+    return mean, {n: np.full_like(a, value) for n, a in mean.items()}
 
 
 def task_prompts(count: int, seed: int = 0) -> list:

@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=8.0, help="measuring time per configuration")
     args = p.parse_args()
     if args.quick:
-        args.batches, args.seconds = [16, 64], 2.0
+        args.batches, args.seconds = [16, 64], 1.0
     model = _common.model_path(args)
     import torch
 

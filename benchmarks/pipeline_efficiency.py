@@ -6,7 +6,8 @@ sampler engines' standalone tokens/s (issue 4 target: at least 0.9).
    run admits (every slot of the plan, `n` rollouts per slot, routed and chunked as the driver does)
    for `--steps` steps' worth of prompts, all queued at once, with nothing else running.
 2. Training: a real run (driver, learner, verifier, samplers on local Ray) of `--steps` steps;
-   tokens/s = completion tokens of steps 2.. / wall time from the end of step 1 to the last step.
+   tokens/s = completion tokens of steps 2..T-1 / wall time from the end of step 1 to the end of
+   step T-1 (step 1 is warm-up; _common.loop_figures says why step T is left out).
 
 The ratio is bounded by the learner when one learner step takes longer than generating one step's
 rollouts: admission control (runtime.max_offpolicy) then idles the samplers. Both figures are given.
@@ -21,19 +22,6 @@ from __future__ import annotations
 import time
 
 import _common
-
-
-def posterior_arrays(model: str, cfg) -> tuple[dict, dict | None]:
-    """(mean, σ) as the learner first publishes them: the checkpoint and IVON's initial σ."""
-    import numpy as np
-
-    from threepo.services.modeling import load_model, trainable_named_parameters
-
-    mean = {n: p.detach().float().numpy().copy() for n, p in trainable_named_parameters(load_model(model))}
-    if cfg.algo.exploration == "grpo":
-        return mean, None
-    value = 1.0 / np.sqrt(cfg.optim.ess * (cfg.optim.hess_init + cfg.optim.weight_decay))
-    return mean, {n: np.full_like(a, value) for n, a in mean.items()}
 
 
 def requests_by_sampler(cfg, plan, prompts: int, first: int = 0) -> dict[int, list]:
@@ -76,7 +64,7 @@ def standalone(model: str, cfg, steps: int) -> dict:
     try:
         plan = make_plan(algo.exploration, version=1, base_seed=cfg.seed, group_size=algo.group_size,
                          n_slots=algo.n_slots, equal_compute=algo.equal_compute)
-        weights = ray.put(posterior_arrays(model, cfg))
+        weights = ray.put(_common.posterior_arrays(model, cfg))
         ray.get([s.update.remote(1, weights) for s in samplers])
         generate_all(samplers, cfg, requests_by_sampler(cfg, plan, rt.prompts_per_step))  # warm-up step
         work = requests_by_sampler(cfg, plan, steps * rt.prompts_per_step, first=rt.prompts_per_step)
@@ -92,7 +80,7 @@ def standalone(model: str, cfg, steps: int) -> dict:
 
 def main() -> None:
     p = _common.parser(__doc__)
-    p.add_argument("--steps", type=int, default=10, help="timed steps (the training run does one more)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (the training run does two more: warm-up and drain)")
     args = p.parse_args()
     if args.quick:
         args.steps = 3
@@ -100,7 +88,7 @@ def main() -> None:
     overrides = [*(["runtime.prompts_per_step=4", "algo.group_size=8"] if args.quick else []), *args.overrides]
     cfg = _common.config(model, overrides)
     alone = standalone(model, cfg, args.steps)
-    run = _common.train_run(model, [*overrides, f"runtime.steps={args.steps + 1}"], "train")
+    run = _common.train_run(model, [*overrides, f"runtime.steps={args.steps + 2}"], "train")
     ratio = run["tokens_per_s"] / alone["tokens_per_s"]
     generation_s = run["tokens_per_step"] / alone["tokens_per_s"]
     rt = cfg.runtime
@@ -109,7 +97,7 @@ def main() -> None:
                   f"{rt.prompts_per_step} prompts/step, mode {rt.mode}",
                   ["measurement", "tokens", "seconds", "tokens/s"],
                   [["samplers alone", alone["tokens"], alone["seconds"], alone["tokens_per_s"]],
-                   ["train run (steps 2..)", sum(r["completion_tokens"] for r in run["rows"][1:]),
+                   ["train run (steps 2..T-1)", run["timed_tokens"],
                     run["loop_wall_s"], run["tokens_per_s"]]])
     bound = "learner-bound" if run["learner_step_s"] > generation_s else "generation-bound"
     print(f"pipeline efficiency = {ratio:.2f} (target >= 0.9)")

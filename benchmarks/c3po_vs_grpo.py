@@ -1,0 +1,57 @@
+"""C3PO against GRPO: wall time per training step (issue 4: the papers claim near-identical cost;
+target c3po/grpo at most 1.1x).
+
+Three runs on the same configuration, G and prompts per step:
+- c3po: N=4 slots sharing one group of G, gradient at a fresh posterior sample (the default);
+- grpo + ivon: algo.exploration=grpo algo.n_slots=1 with the same optimizer, so only the
+  exploration differs (one clean policy, no noise to regenerate per slot);
+- grpo + adamw: the usual GRPO baseline (optim.lr=1e-4), for reference.
+For each: the learner step time (step_time_s, mean) and the end-to-end wall time per step, both over
+steps 2..T-1 (benchmarks/_common.py: loop_figures).
+
+    python3 benchmarks/c3po_vs_grpo.py [--steps 8] [section.field=value ...]
+"""
+
+from __future__ import annotations
+
+import _common
+
+VARIANTS = {
+    "c3po": ["algo.exploration=c3po", "algo.n_slots=4", "optim.name=ivon"],
+    "grpo+ivon": ["algo.exploration=grpo", "algo.n_slots=1", "optim.name=ivon"],
+    "grpo+adamw": ["algo.exploration=grpo", "algo.n_slots=1", "optim.name=adamw", "optim.lr=1e-4"],
+}
+
+
+def main() -> None:
+    p = _common.parser(__doc__)
+    p.add_argument("--steps", type=int, default=8, help="timed steps per run (each run does two more)")
+    args = p.parse_args()
+    if args.quick:
+        args.steps = 2
+    model = _common.model_path(args)
+    small = ["runtime.prompts_per_step=4", "algo.group_size=8"] if args.quick else []
+    common = [*small, *args.overrides, f"runtime.steps={args.steps + 2}"]
+    runs = {name: _common.train_run(model, [*common, *extra], name) for name, extra in VARIANTS.items()}
+    cfg = _common.config(model, common)
+    base = runs["grpo+ivon"]
+    _common.table(f"Time per training step: G={cfg.algo.group_size}, {cfg.runtime.prompts_per_step} prompts/step, "
+                  f"mode {cfg.runtime.mode}, {cfg.runtime.num_samplers} samplers",
+                  ["variant", "timed steps", "learner s/step", "end-to-end s/step", "learner x grpo+ivon",
+                   "end-to-end x grpo+ivon"],
+                  [[name, r["timed_steps"], r["learner_step_s"], r["step_wall_s"],
+                    r["learner_step_s"] / base["learner_step_s"], r["step_wall_s"] / base["step_wall_s"]]
+                   for name, r in runs.items()])
+    ratios = {f"c3po/{b}": {"learner": runs["c3po"]["learner_step_s"] / runs[b]["learner_step_s"],
+                            "end_to_end": runs["c3po"]["step_wall_s"] / runs[b]["step_wall_s"]}
+              for b in ("grpo+ivon", "grpo+adamw")}
+    for name, r in ratios.items():
+        print(f"{name}: learner step {r['learner']:.2f}x, end-to-end step {r['end_to_end']:.2f}x (target <= 1.1x)")
+    _common.write_results("c3po_vs_grpo", {
+        "model": model, "ratios": ratios,
+        "runs": {n: {k: v for k, v in r.items() if k != "rows"} for n, r in runs.items()},
+        "rows": {n: r["rows"] for n, r in runs.items()}, "args": vars(args)})
+
+
+if __name__ == "__main__":
+    main()
