@@ -11,6 +11,7 @@ measurement takes one warm-up call, then calls until `--seconds` have passed.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import time
 
@@ -93,7 +94,7 @@ def main() -> None:
     engine = make_engine(model, threads=1, batch=max(args.batches))
     for batch in args.batches:
         prompts = [it.prompt for it in _common.task_prompts(batch)]
-        engine.cfg = engine.cfg.__class__(**{**engine.cfg.__dict__, "batch_size": batch})
+        engine.cfg = dataclasses.replace(engine.cfg, batch_size=batch)  # generate() batches by cfg
         for threads in args.threads:
             torch.set_num_threads(threads)
             measure(engine, prompts, seconds=0.0)  # warm-up

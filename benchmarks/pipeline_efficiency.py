@@ -102,12 +102,14 @@ def main() -> None:
     bound = "learner-bound" if run["learner_step_s"] > generation_s else "generation-bound"
     print(f"pipeline efficiency = {ratio:.2f} (target >= 0.9)")
     print(f"per step: generating its {run['tokens_per_step']:.0f} tokens takes {generation_s:.2f}s on the idle "
-          f"samplers, the learner step takes {run['learner_step_s']:.2f}s, a step of the run "
-          f"{run['step_wall_s']:.2f}s -> {bound}")
+          f"samplers, the learner step {run['learner_step_s']:.2f}s, a step of the run {run['step_wall_s']:.2f}s "
+          f"-> {bound}")
     if bound == "learner-bound":
         print(f"  the samplers can be busy at most {generation_s / run['learner_step_s']:.2f} of the time: "
-              "admission control waits for the learner (runtime.max_offpolicy)")
-    print("  (learner and samplers share the machine's cores during the run; standalone they do not)")
+              "admission control (runtime.max_offpolicy) waits for the learner")
+    extra = run["step_wall_s"] - max(generation_s, run["learner_step_s"])
+    print(f"  {max(extra, 0.0):.2f}s per step beyond the slower of the two: scoring, driver round trips, version "
+          "syncs, and the learner sharing the cores with the samplers (standalone they do not)")
     _common.write_results("pipeline_efficiency", {
         "model": model, "standalone": alone, "train": {k: v for k, v in run.items() if k != "rows"},
         "rows": run["rows"], "ratio": ratio, "generation_s_per_step": generation_s, "bound": bound,
