@@ -186,8 +186,9 @@ def init_ray(cfg: RunConfig) -> None:
     if cfg.runtime.ray_address:
         ray.init(address=cfg.runtime.ray_address, runtime_env={"env_vars": ACTOR_ENV})
     else:
+        extra = {"_metrics_export_port": cfg.runtime.metrics_port} if cfg.runtime.metrics_port else {}
         ray.init(num_cpus=max(os.cpu_count() or 2, _cpus_needed(cfg)), include_dashboard=False,
-                 log_to_driver=False, runtime_env={"env_vars": ACTOR_ENV})
+                 log_to_driver=False, runtime_env={"env_vars": ACTOR_ENV}, **extra)
 
 
 def _cpus_needed(cfg: RunConfig) -> int:

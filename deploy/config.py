@@ -78,7 +78,10 @@ class RuntimeConfig:
     ray_address: str = ""
     """Ray cluster to join ('' = start a local one; 'auto' = the cluster this runs in)."""
     metrics_port: int = 0
-    """Driver's Prometheus port when not on a Ray cluster with a metrics agent (0 = off)."""
+    """Local clusters only: the port of Ray's metrics agent, where Prometheus scrapes every role's
+    `threepo_*` metrics (0 = Ray picks one; a joined cluster keeps its own)."""
+    log_rollouts: bool = True
+    """Append every consumed group (msgpack, schema-versioned) to `rollouts.log` in the run directory."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "num_samplers", "num_verifiers", "requests_per_call"):

@@ -21,6 +21,7 @@ import ray
 from threepo.deploy.actors import Roles, init_ray, start_roles, stop_roles
 from threepo.deploy.bookkeeping import Delivery, GroupAssembler, PromptStream, admission_open
 from threepo.deploy.config import RunConfig
+from threepo.services.codec import RolloutLog
 from threepo.services.messages import RolloutRequest, ScoredCompletion, VerifyRequest, VerifyStatus
 
 
@@ -86,6 +87,7 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, saved: dict | None = None) -
     groups_per_step = rt.prompts_per_step * s.plan.groups_per_prompt
     heldout = heldout_items(cfg)
     log = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+    rollouts = RolloutLog(os.path.join(run_dir, "rollouts.log")) if rt.log_rollouts else None
     started, window = time.monotonic(), time.monotonic()
     bar = tqdm(total=rt.steps, initial=s.step, desc=f"train {cfg.algo.exploration}", unit="step")
     while s.step < rt.steps:
@@ -100,6 +102,8 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, saved: dict | None = None) -
         if not s.learning and len(s.assembler.ready) >= groups_per_step:
             groups = [g for g, _ in s.assembler.take(groups_per_step)]  # oldest first, in admission order
             s.delivery.consume(groups)
+            for g in groups if rollouts else ():
+                rollouts.append(g)
             for g in groups:
                 s.open_groups.pop(g.group_id)
             s.inflight[roles.learner.step.remote(groups)] = ("learn", groups)
@@ -140,6 +144,8 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, saved: dict | None = None) -
     checkpoints.save(s, run_dir)
     final_dir = ray.get(roles.learner.save_hf.remote(os.path.join(run_dir, "final")))
     log.close()
+    if rollouts:
+        rollouts.close()
     summary = {"final_checkpoint": final_dir, "steps": s.step, "version": s.version,
                "admitted_rollouts": s.delivery.admitted_rollouts, "consumed_rollouts": s.delivery.consumed_rollouts,
                "unique_consumed": len(s.delivery.consumed_ids), "duplicates_dropped": s.assembler.duplicates,

@@ -121,3 +121,16 @@ def test_vp2o_on_the_tiny_moe(ray_session, tmp_path, tiny_moe_path):
     assert summary["consumed_rollouts"] == 3 * 2 * 8
     assert all(0.0 <= r["vp2o_clamped_frac"] <= 1.0 and r["vp2o_bandwidth_mean"] > 0 for r in rows)
     assert all(r["vp2o_l_orth"] >= 0 for r in rows)
+
+
+def test_rollout_log_holds_every_consumed_group(ray_session, tmp_path, tiny_dense_path):
+    from threepo.services.codec import RolloutLog
+    from threepo.services.messages import Group
+
+    cfg = _cfg(tmp_path, tiny_dense_path, "runtime.steps=2")
+    run_dir = make_run_dir(cfg, "train")
+    summary = train(cfg, run_dir, tiny_dense_path)
+    groups = list(RolloutLog.read(os.path.join(run_dir, "rollouts.log")))
+    assert all(isinstance(g, Group) for g in groups) and len(groups) == 2 * 2
+    ids = {s.completion.completion_id for g in groups for s in g.completions}
+    assert len(ids) == summary["consumed_rollouts"] == 2 * 2 * 8
