@@ -80,6 +80,8 @@ class RuntimeConfig:
     metrics_port: int = 0
     """Local clusters only: the port of Ray's metrics agent, where Prometheus scrapes every role's
     `threepo_*` metrics (0 = Ray picks one; a joined cluster keeps its own)."""
+    max_reissues: int = 5
+    """A request re-issued more often than this (crashes, checksum mismatches, infra errors) stops the run."""
     log_rollouts: bool = True
     """Append every consumed group (msgpack, schema-versioned) to `rollouts.log` in the run directory."""
 

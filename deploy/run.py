@@ -51,6 +51,7 @@ class Loop:
     learning: bool = False
     verifier_turn: int = 0
     reported: dict = field(default_factory=dict)    # counts already exported to Prometheus
+    reissues: dict = field(default_factory=dict)    # request id -> times re-issued
 
 
 def train(cfg: RunConfig, run_dir: str, policy_path: str, resume_from: str | None = None) -> dict:
@@ -259,7 +260,13 @@ def on_verified(s: Loop, future, completions: list) -> None:
 
 
 def reissue(s: Loop, requests: list[RolloutRequest]) -> None:
-    """Generate again (same ids: duplicates are dropped by the assembler, so consumption stays exact)."""
+    """Generate again (same ids: duplicates are dropped by the assembler, so consumption stays exact).
+    A request that keeps failing stops the run with the reason instead of looping forever."""
+    for r in requests:
+        s.reissues[r.request_id] = s.reissues.get(r.request_id, 0) + 1
+        if s.reissues[r.request_id] > s.cfg.runtime.max_reissues:
+            raise RuntimeError(f"request {r.request_id} failed {s.reissues[r.request_id]} times (sampler crash, "
+                               "checksum mismatch or persistent infra_error from its verifier): stopping the run")
     if requests:
         s.delivery.reissued_requests += len(requests)
         dispatch(s, requests)
