@@ -10,7 +10,7 @@ bounded by (gen + learn) / max(gen, learn) per step, which the script prints fro
 Rollouts/s = consumed rollouts of steps 2..T-1 / wall time from the end of step 1 to the end of
 step T-1 (benchmarks/_common.py: loop_figures says why the last step is left out).
 
-    python3 benchmarks/async_vs_sync.py [--steps 8] [section.field=value ...]
+    python3 benchmarks/async_vs_sync.py [--steps 16] [section.field=value ...]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ LAYOUT = ("runtime.num_samplers=1", "runtime.sampler_cpus=1", "runtime.learner_c
 
 def main() -> None:
     p = _common.parser(__doc__)
-    p.add_argument("--steps", type=int, default=8, help="timed steps per mode (each run does two more: warm-up and drain)")
+    p.add_argument("--steps", type=int, default=16, help="timed steps per mode (each run does two more: warm-up and drain)")
     args = p.parse_args()
     if args.quick:
         args.steps = 3

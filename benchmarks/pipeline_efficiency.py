@@ -80,7 +80,7 @@ def standalone(model: str, cfg, steps: int) -> dict:
 
 def main() -> None:
     p = _common.parser(__doc__)
-    p.add_argument("--steps", type=int, default=10, help="timed steps (the training run does two more: warm-up and drain)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (the training run does two more: warm-up and drain)")
     args = p.parse_args()
     if args.quick:
         args.steps = 3
