@@ -38,7 +38,7 @@ def main() -> None:
             runs[name] = _common.train_run(model, [*common, *extra], name)
         except Exception as err:  # one broken variant must not hide the others' figures
             failed[name] = f"{type(err).__name__}: {str(err).strip().splitlines()[-1]}"
-            print(f"[{name}] FAILED: {failed[name]}", flush=True)
+            print(f"\n[{name}] FAILED: {failed[name]}", flush=True)
     cfg = _common.config(model, common)
     base = runs.get("grpo+ivon") or next(iter(runs.values()), None)
     if base is None:
