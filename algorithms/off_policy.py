@@ -108,7 +108,8 @@ def kl_k3(logp: torch.Tensor, logp_behav: torch.Tensor, mask: torch.Tensor) -> t
     """k3 estimate of KL(μ ‖ π) (§3.7, §5.7 `k3_kl`): mean_valid(e^ℓ − ℓ − 1), ℓ clamped to ±20.
     Shapes: [B, T] -> 0-dim, detached, ≥ 0."""
     log_ratio = _token_log_ratio(logp, logp_behav, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    k3 = (torch.exp(log_ratio) - log_ratio - 1.0) * mask.to(log_ratio.dtype)
+    # expm1(ℓ) − ℓ is exact near ℓ = 0, where e^ℓ − ℓ − 1 cancels to a rounding error that can be < 0
+    k3 = (torch.expm1(log_ratio) - log_ratio).clamp_min(0.0) * mask.to(log_ratio.dtype)
     return k3.sum() / mask.sum().clamp_min(1)
 
 

@@ -157,3 +157,13 @@ def test_offpolicy_diagnostics_on_policy():
                    "frac_truncated_seq": 0.0, "chi2_token": 0.0, "chi2_seq": 0.0}
     with pytest.raises(ValueError, match="valid token"):
         offpolicy_diagnostics(logp, logp, torch.zeros(3, 4), cap=2.0)
+
+
+def test_kl_k3_is_never_negative_on_policy():
+    # identical log-probs up to fp32 rounding: e^ℓ − ℓ − 1 would round below zero for some ℓ ~ 1e-7
+    gen = torch.Generator().manual_seed(0)
+    logp = -torch.rand(64, 32, generator=gen)
+    noisy = logp + torch.randn(64, 32, generator=gen) * 1e-7
+    mask = torch.ones(64, 32)
+    value = kl_k3(noisy, logp, mask)
+    assert 0.0 <= float(value) < 1e-12
