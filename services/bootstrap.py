@@ -77,9 +77,8 @@ def cache_root(cfg: BootstrapConfig) -> str:
 def checkpoint_dir(model_cfg: ModelConfig, task_cfg: TaskConfig, cfg: BootstrapConfig) -> str:
     """Cache path keyed by everything that changes the checkpoint — not threads, cache_dir or the time
     limit (only a run that reached the target is cached, and the limit does not change where it stops)."""
-    key = json.dumps([FORMAT, dataclasses.asdict(model_cfg), dataclasses.asdict(task_cfg),
-                      dataclasses.asdict(dataclasses.replace(cfg, threads=0, cache_dir="", max_seconds=0.0))],
-                     sort_keys=True)
+    recipe = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("threads", "cache_dir", "max_seconds")}
+    key = json.dumps([FORMAT, dataclasses.asdict(model_cfg), dataclasses.asdict(task_cfg), recipe], sort_keys=True)
     digest = hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
     return os.path.join(cache_root(cfg), "models", f"{model_cfg.kind}-{task_cfg.family}-{digest}")
 
