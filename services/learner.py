@@ -260,7 +260,8 @@ class Learner:
     def _sigma_metrics(self) -> dict[str, float]:
         if self.optim_cfg.name != "ivon":
             return {}
-        return {f"sigma_{k}": float(v) for k, v in self.opt.sigma_percentiles().items()}
+        # a 16k-point strided sample is plenty for percentiles and costs ~1 ms, not ~25 ms per step
+        return {f"sigma_{k}": float(v) for k, v in self.opt.sigma_percentiles(max_points=1 << 14).items()}
 
     # ---- publishing and checkpoints -----------------------------------------------------------
     def published(self) -> PublishedVersion:
