@@ -186,14 +186,16 @@ def admit(s: Loop) -> list[RolloutRequest]:
 
 
 def dispatch(s: Loop, requests: list[RolloutRequest]) -> None:
-    """Send requests to samplers: slot-major routing keeps each engine on few slots; one call per
-    (sampler, version) chunk, preceded by a version update where the sampler holds another one."""
+    """Send requests to samplers, one call per (sampler, version) chunk, preceded by a version update
+    where the sampler holds another one. Routing by rollout chunk (prompt × slots + slot) keeps each
+    engine on fixed slots when there are at least as many slots as engines (no weight switching, one
+    batch per slot) and spreads prompts round-robin otherwise."""
     n = len(s.roles.samplers)
     by_sampler: dict[int, list[RolloutRequest]] = {}
     for r in requests:
         s.requests[r.request_id] = r
         prompt_index = s.open_groups[r.group_id][0]
-        by_sampler.setdefault((r.slot + prompt_index) % n, []).append(r)
+        by_sampler.setdefault((prompt_index * len(s.plan.slots) + r.slot) % n, []).append(r)
     per_call = s.cfg.runtime.requests_per_call
     for i, batch in by_sampler.items():
         for version in sorted({r.policy_version for r in batch}):
@@ -220,8 +222,10 @@ def on_generated(s: Loop, future, sampler: int, requests: list[RolloutRequest]) 
     good, bad_requests = [], {}
     for c in completions:
         key = (c.policy_version, c.slot_seed)
-        if key not in s.checksums:
-            s.checksums[key] = ray.get(s.roles.posterior.expected_checksum.remote(*key))
+        if key not in s.checksums:  # normally prefetched when the version was published
+            s.checksums[key] = s.roles.posterior.expected_checksum.remote(*key)
+        if not isinstance(s.checksums[key], str):
+            s.checksums[key] = ray.get(s.checksums[key])
         if c.weights_checksum == s.checksums[key]:
             good.append(c)
             s.tokens_by_engine[c.engine_id] = s.tokens_by_engine.get(c.engine_id, 0) + len(c.token_ids)
@@ -278,6 +282,8 @@ def publish(s: Loop, pv, reason: str | None) -> None:
     s.version, s.plan = pv.version, plan
     s.published_step[pv.version] = pv.learner_step
     s.weights_refs[pv.version] = s.roles.posterior.weights.remote(pv.version)
+    for slot in plan.slots:  # expected checksums are computed while the samplers generate
+        s.checksums[(pv.version, slot.seed)] = s.roles.posterior.expected_checksum.remote(pv.version, slot.seed)
     for old in [v for v in s.weights_refs if v < pv.version - 8]:
         del s.weights_refs[old]
 

@@ -116,8 +116,9 @@ class SyncConfig:
     """Publish when KL(behaviour ‖ current) (k3, per token) exceeds κ."""
     eta: float = 0.5
     """Publish when the Kish ESS fraction of the sequence importance weights falls below η."""
-    max_staleness: int = 1
-    """Publish after this many learner steps without a publish (1 = every step)."""
+    max_staleness: int = 4
+    """Publish after this many learner steps without a publish (1 = every step). On the embedded
+    default, 4 gives ~65 publishes in 250 steps (KL and ESS fire too) and learns as well as 1."""
 
     def __post_init__(self) -> None:
         if self.kappa <= 0 or not 0 < self.eta <= 1 or self.max_staleness < 1:

@@ -41,15 +41,18 @@ class SamplerConfig:
     """vllm/sglang only: fraction of GPU memory the engine may take."""
     seed: int = 0
     """Seed of the engine's sampling RNG (combined with the engine id)."""
+    slot_cache: int = 8
+    """hf only: perturbed weight sets kept per version, so switching back to a slot is a copy
+    instead of regenerating its noise (0 = always regenerate; each entry is one fp32 model copy)."""
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
             raise ValueError(f"sampler.temperature: expected > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"sampler.top_p: expected in (0, 1], got {self.top_p}")
-        for name in ("top_k", "max_new_tokens", "threads", "batch_size"):
+        for name in ("top_k", "max_new_tokens", "threads", "batch_size", "slot_cache"):
             value = getattr(self, name)
-            if value < (0 if name == "top_k" else 1):
+            if value < (0 if name in ("top_k", "slot_cache") else 1):
                 raise ValueError(f"sampler.{name}: expected a positive integer, got {value}")
 
 
