@@ -60,6 +60,21 @@ def make_engine(model_path: str, cfg: SamplerConfig, engine_id: int, dtype: str)
                      "and SGLang adapters are not part of it yet (see README, 'What is verified where')")
 
 
+class PosteriorActor(PosteriorServer):
+    """The posterior server plus its Prometheus metrics: current version and publishes by reason."""
+
+    def publish(self, pv):
+        from threepo.deploy.metrics import RayMetrics
+        from threepo.services.metrics import register_catalogue
+
+        plan = super().publish(pv)
+        if "_metrics" not in self.__dict__:
+            self._metrics = register_catalogue(RayMetrics())
+        self._metrics["threepo_policy_version"].set(pv.version)
+        self._metrics["threepo_sync_events_total"].inc(1, reason=pv.reason or "start")
+        return plan
+
+
 class VerifierActor:
     """The verifier pool behind synchronous methods only: Ray turns an actor with any `async def`
     method into an async actor, whose methods leave the main thread (math-verify's SIGALRM needs it)."""
@@ -143,7 +158,7 @@ def start_roles(cfg: RunConfig, policy_path: str, run_id: str, posterior_state: 
     from `cfg.runtime`. `posterior_state` restores the posterior server from a checkpoint."""
     rt = cfg.runtime
     env = {"env_vars": ACTOR_ENV}
-    posterior = ray.remote(PosteriorServer).options(num_cpus=0, runtime_env=env, name=f"{run_id}-posterior").remote(
+    posterior = ray.remote(PosteriorActor).options(num_cpus=0, runtime_env=env, name=f"{run_id}-posterior").remote(
         posterior_config(cfg), state=posterior_state)
     sampler_cfg = cfg.sampler
     samplers = [

@@ -11,6 +11,7 @@ futures.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -84,7 +85,7 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, saved: dict | None = None) -
     if saved:  # learner, posterior versions and plans, data cursor, consumed ids come back
         checkpoints.restore_driver(s, saved)
     else:
-        publish(s, ray.get(roles.learner.published.remote()), reason="start")
+        publish(s, dataclasses.replace(ray.get(roles.learner.published.remote()), reason="start"))
     groups_per_step = rt.prompts_per_step * s.plan.groups_per_prompt
     heldout = heldout_items(cfg)
     log = open(os.path.join(run_dir, "metrics.jsonl"), "a")
@@ -131,7 +132,8 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, saved: dict | None = None) -
             row["sync_event"], row["sync_reason"] = result.publish_version is not None, result.publish_reason
             record_driver_metrics(metrics, s, row)
             if result.publish_version is not None:
-                publish(s, ray.get(roles.learner.published.remote()), reason=result.publish_reason)
+                pv = ray.get(roles.learner.published.remote())
+                publish(s, dataclasses.replace(pv, reason=result.publish_reason))
                 row["sync_bytes_per_engine"] = ray.get(roles.posterior.bytes_of.remote(s.version))
             if rt.eval_every and s.step % rt.eval_every == 0:
                 row["heldout_pass1"] = ray.get(roles.learner.evaluate_heldout.remote(heldout, cfg.sampler.max_new_tokens))
@@ -276,8 +278,9 @@ def reissue(s: Loop, requests: list[RolloutRequest]) -> None:
         dispatch(s, requests)
 
 
-def publish(s: Loop, pv, reason: str | None) -> None:
-    """Register a learner version with the posterior server; samplers pull it at their next request."""
+def publish(s: Loop, pv) -> None:
+    """Register a learner version (its `reason` says why) with the posterior server; samplers pull it
+    at their next request."""
     plan = ray.get(s.roles.posterior.publish.remote(pv))
     s.version, s.plan = pv.version, plan
     s.published_step[pv.version] = pv.learner_step
@@ -291,9 +294,6 @@ def publish(s: Loop, pv, reason: str | None) -> None:
 def record_driver_metrics(handles: dict, s: Loop, row: dict) -> None:
     handles["threepo_queue_depth"].set(row["groups_in_flight"], role="sampler")
     handles["threepo_queue_depth"].set(row["groups_ready"], role="learner")
-    handles["threepo_policy_version"].set(s.version)
-    if row["sync_event"]:
-        handles["threepo_sync_events_total"].inc(1, reason=row["sync_reason"])
     for reason, count in (("checksum", s.delivery.rejected_checksum), ("duplicate", s.assembler.duplicates)):
         seen = s.reported.get(reason, 0)
         if count > seen:
