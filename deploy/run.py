@@ -11,7 +11,6 @@ futures.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -85,7 +84,7 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, saved: dict | None = None) -
     if saved:  # learner, posterior versions and plans, data cursor, consumed ids come back
         checkpoints.restore_driver(s, saved)
     else:
-        publish(s, dataclasses.replace(ray.get(roles.learner.published.remote()), reason="start"))
+        publish(s, roles.learner.published.remote("start"))
     groups_per_step = rt.prompts_per_step * s.plan.groups_per_prompt
     heldout = heldout_items(cfg)
     log = open(os.path.join(run_dir, "metrics.jsonl"), "a")
@@ -132,8 +131,7 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, saved: dict | None = None) -
             row["sync_event"], row["sync_reason"] = result.publish_version is not None, result.publish_reason
             record_driver_metrics(metrics, s, row)
             if result.publish_version is not None:
-                pv = ray.get(roles.learner.published.remote())
-                publish(s, dataclasses.replace(pv, reason=result.publish_reason))
+                publish(s, roles.learner.published.remote(result.publish_reason))
                 row["sync_bytes_per_engine"] = ray.get(roles.posterior.bytes_of.remote(s.version))
             if rt.eval_every and s.step % rt.eval_every == 0:
                 row["heldout_pass1"] = ray.get(roles.learner.evaluate_heldout.remote(heldout, cfg.sampler.max_new_tokens))
@@ -278,16 +276,17 @@ def reissue(s: Loop, requests: list[RolloutRequest]) -> None:
         dispatch(s, requests)
 
 
-def publish(s: Loop, pv) -> None:
-    """Register a learner version (its `reason` says why) with the posterior server; samplers pull it
-    at their next request."""
-    plan = ray.get(s.roles.posterior.publish.remote(pv))
-    s.version, s.plan = pv.version, plan
-    s.published_step[pv.version] = pv.learner_step
-    s.weights_refs[pv.version] = s.roles.posterior.weights.remote(pv.version)
+def publish(s: Loop, version_ref) -> None:
+    """Register the learner's new version with the posterior server. The weights go learner ->
+    posterior server -> samplers as object refs (never through the driver); each sampler pulls them
+    once, at its next request for that version."""
+    plan = ray.get(s.roles.posterior.publish.remote(version_ref))
+    s.version, s.plan = plan.version, plan
+    s.published_step[plan.version] = ray.get(s.roles.posterior.learner_step.remote(plan.version))
+    s.weights_refs[plan.version] = s.roles.posterior.weights.remote(plan.version)
     for slot in plan.slots:  # expected checksums are computed while the samplers generate
-        s.checksums[(pv.version, slot.seed)] = s.roles.posterior.expected_checksum.remote(pv.version, slot.seed)
-    for old in [v for v in s.weights_refs if v < pv.version - 8]:
+        s.checksums[(plan.version, slot.seed)] = s.roles.posterior.expected_checksum.remote(plan.version, slot.seed)
+    for old in [v for v in s.weights_refs if v < plan.version - 8]:
         del s.weights_refs[old]
 
 

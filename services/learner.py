@@ -266,8 +266,9 @@ class Learner:
         return {f"sigma_{k}": float(v) for k, v in self.opt.sigma_percentiles(max_points=1 << 14).items()}
 
     # ---- publishing and checkpoints -----------------------------------------------------------
-    def published(self) -> PublishedVersion:
-        """The current version's mean and σ as fp32 numpy (what the posterior server stores)."""
+    def published(self, reason: str = "") -> PublishedVersion:
+        """The current version's mean and σ as fp32 numpy (what the posterior server stores);
+        `reason` records why it is published (start, kl, ess, staleness)."""
         if self.optim_cfg.name == "ivon":
             mean = {n: t.numpy().copy() for n, t in self.opt.mean_by_name().items()}
             sigma = {n: t.numpy().copy() for n, t in self.opt.sigma_by_name().items()}
@@ -275,7 +276,7 @@ class Learner:
             mean = {n: p.detach().float().numpy().copy() for n, p in self.named}
             sigma = None
         return PublishedVersion(version=self.version, learner_step=self.version_step[self.version],
-                                reason="", mean=mean, sigma=sigma)
+                                reason=reason, mean=mean, sigma=sigma)
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Tensors and metadata of everything needed to continue exactly (checkpoint)."""
