@@ -106,20 +106,11 @@ class LearnerActor(Learner):
         return result
 
     def evaluate_heldout(self, items: list, max_new_tokens: int) -> float:
-        from threepo.services.engines.hf import generate
-        from threepo.services.evaluation import evaluate
-        from threepo.services.verifiers.base import load_verifier
-
+        from threepo.services.evaluation import model_pass_at_1
         from threepo.services.modeling import load_tokenizer
 
-        verifiers = {name: load_verifier(name) for name in {it.verifier for it in items}}
-        tokenizer = load_tokenizer(self.model_path)
-        self.model.eval()
-        report = evaluate(lambda p, params: generate(self.model, tokenizer, p, params, batch_size=256),
-                          items, verifiers, samples_per_item=1, k=1, temperature=self.temperature,
-                          max_new_tokens=max_new_tokens)
-        self.model.train()
-        return report.pass_at_1
+        return model_pass_at_1(self.model, load_tokenizer(self.model_path), items,
+                               temperature=self.temperature, max_new_tokens=max_new_tokens)
 
     def save_hf(self, directory: str) -> str:
         """The current mean (IVON keeps p.data at m outside sampled_params) as an HF checkpoint."""

@@ -126,13 +126,12 @@ def evaluate_policy(cfg, path: str, *, label: str):
 
     from threepo.services.engines.base import SamplerConfig
     from threepo.services.engines.hf import HFEngine
-    from threepo.services.evaluation import evaluate
-    from threepo.services.verifiers.base import load_verifier
+    from threepo.services.evaluation import evaluate, verifiers_for
 
     items = eval_items(cfg)
     engine = HFEngine(path, SamplerConfig(threads=cfg.bootstrap.threads, batch_size=cfg.eval.batch_size,
                                           seed=cfg.seed), dtype=cfg.model.dtype)
-    verifiers = {name: load_verifier(name) for name in sorted({it.verifier for it in items})}
+    verifiers = verifiers_for(items)
     with tqdm(total=len(items), desc=label, unit="item") as bar:
         report = evaluate(engine.generate, items, verifiers, samples_per_item=cfg.eval.samples_per_item,
                           k=cfg.eval.k, temperature=cfg.eval.temperature,

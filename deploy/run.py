@@ -73,6 +73,7 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, saved: dict | None = None) -
     from tqdm import tqdm
 
     from threepo.deploy import checkpoints
+    from threepo.deploy.cli import eval_items
     from threepo.deploy.metrics import RayMetrics
     from threepo.deploy.report import make_report
     from threepo.services.metrics import register_catalogue
@@ -86,7 +87,7 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, saved: dict | None = None) -
     else:
         publish(s, roles.learner.published.remote("start"))
     groups_per_step = rt.prompts_per_step * s.plan.groups_per_prompt
-    heldout = heldout_items(cfg)
+    heldout = eval_items(cfg)
     log = open(os.path.join(run_dir, "metrics.jsonl"), "a")
     rollouts = RolloutLog(os.path.join(run_dir, "rollouts.log")) if rt.log_rollouts else None
     started, window = time.monotonic(), time.monotonic()
@@ -321,12 +322,6 @@ def train_items(cfg: RunConfig) -> list:
     if cfg.data.path:
         return load_dataset(cfg.data.path)
     return generate_items(cfg.task.family, "train", 4096, seed=cfg.task.seed, difficulty=cfg.task.difficulty)
-
-
-def heldout_items(cfg: RunConfig) -> list:
-    from threepo.deploy.cli import eval_items
-
-    return eval_items(cfg)
 
 
 def main_train(args) -> int:

@@ -157,7 +157,6 @@ def _train(model, tokenizer, task_cfg: TaskConfig, cfg: BootstrapConfig, *, prog
         step += 1
         if step % cfg.eval_every == 0:
             pass1 = heldout_pass1(model, tokenizer, task_cfg, cfg.eval_items)
-            model.train()
         bar.set_postfix_str(f"step {step} loss {loss.item():.3f} heldout pass@1 {pass1:.2f}", refresh=False)
         bar.update(int(time.monotonic() - started) - bar.n)
         if pass1 >= cfg.target_pass1:
@@ -193,14 +192,9 @@ def _sft_batch(tokenizer, task_cfg: TaskConfig, seed: int, batch_size: int):
 
 def heldout_pass1(model, tokenizer, task_cfg: TaskConfig, num_items: int) -> float:
     """One T=1 sample per held-out item, scored by the task's verifier."""
-    from threepo.services.engines.hf import generate
-    from threepo.services.evaluation import evaluate
+    from threepo.services.evaluation import model_pass_at_1
     from threepo.services.tasks import generate_items
-    from threepo.services.verifiers.base import load_verifier
 
     items = generate_items(task_cfg.family, "heldout", num_items, seed=task_cfg.seed,
                            difficulty=task_cfg.difficulty)
-    verifiers = {name: load_verifier(name) for name in {it.verifier for it in items}}
-    report = evaluate(lambda prompts, params: generate(model, tokenizer, prompts, params, batch_size=256),
-                      items, verifiers, samples_per_item=1, k=1, temperature=1.0, max_new_tokens=24)
-    return report.pass_at_1
+    return model_pass_at_1(model, tokenizer, items, temperature=1.0, max_new_tokens=24)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from threepo.algorithms.pass_at_k import pass_at_k
 from threepo.services.engines.base import GeneratedSample
 from threepo.services.messages import SamplingParams, TaskItem, VerifyRequest, VerifyStatus
-from threepo.services.verifiers.base import Verifier
+from threepo.services.verifiers.base import Verifier, load_verifier
 
 GenerateFn = Callable[[Sequence[str], SamplingParams], list[list[GeneratedSample]]]
 
@@ -89,6 +89,30 @@ def evaluate(generate: GenerateFn, items: Sequence[TaskItem], verifiers: Mapping
         malformed_rate=statuses.get(VerifyStatus.MALFORMED.value, 0) / total,
         status_counts=dict(statuses),
     )
+
+
+def verifiers_for(items: Sequence[TaskItem]) -> dict[str, Verifier]:
+    """One verifier (default options) per verifier name the items use."""
+    return {name: load_verifier(name) for name in sorted({it.verifier for it in items})}
+
+
+def model_pass_at_1(model, tokenizer, items: Sequence[TaskItem], *, temperature: float,
+                    max_new_tokens: int) -> float:
+    """pass@1 of a live model (one sample per item), e.g. the learner's copy or one being trained;
+    the model is put in eval mode for the call and its previous mode restored."""
+    from threepo.services.engines.hf import generate
+
+    verifiers, was_training = verifiers_for(items), model.training
+    model.eval()
+    try:
+        report = evaluate(lambda p, params: generate(model, tokenizer, p, params, batch_size=256), items,
+                          verifiers, samples_per_item=1, k=1, temperature=temperature,
+                          max_new_tokens=max_new_tokens)
+    finally:
+        model.train(was_training)
+        for verifier in verifiers.values():
+            verifier.close()
+    return report.pass_at_1
 
 
 def verify_all(verifiers: Mapping[str, Verifier], requests: Sequence[VerifyRequest]):

@@ -229,8 +229,8 @@ class Learner:
         if len(sizes) != 1:
             raise ValueError(f"groups: expected one group size, got sizes {sorted(sizes)}")
         rows = [s.completion for g in groups for s in g.completions]
-        bad = [c.completion_id for g in groups for s in g.completions if s.result.status is VerifyStatus.INFRA_ERROR
-               for c in [s.completion]]
+        bad = [s.completion.completion_id for g in groups for s in g.completions
+               if s.result.status is VerifyStatus.INFRA_ERROR]
         if bad:
             raise ValueError(f"infra_error results must never reach the learner: {bad[:3]}")
         width = max(len(c.prompt_ids) + len(c.token_ids) for c in rows)
