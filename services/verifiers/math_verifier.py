@@ -4,8 +4,9 @@ Format rules, shared by both (feasibility.md addendum: a policy once learnt to e
 ` \\boxed{52}{}{}{` up to the length limit, which an answer-only reward scores as correct):
 - a truncated completion (`finish_reason == "length"`) is `malformed`: a reward needs a
   well-formed, terminated completion;
-- the answer is the last `\\boxed{...}`; none, unbalanced braces, an empty box, or anything but
-  whitespace after its closing brace is `malformed`.
+- the answer is the last `\\boxed{...}`; none, unbalanced braces or an empty box is `malformed`,
+  and so is what follows the box unless it is short text without digits, braces or LaTeX commands
+  (sentence punctuation, `$`, "I hope this helps."): services/verifiers/math_answers.py.
 
 Math (algorithms.md §6): the gold is parsed once per distinct answer (cached) as
 `\\boxed{gold}` with `LatexExtractionConfig`; `verify(gold, pred)` is called GOLD FIRST (it is
@@ -18,7 +19,9 @@ not symmetric). math-verify's timeouts use SIGALRM, which works only in a proces
 math-verify runs with `raise_on_error=True`, so its own timeout surfaces as `timeout` and any
 other exception as `infra_error` (reward NaN), never a silent 0.
 
-Departure: when the gold is a plain number, the boxed answer must be a number literal too
+Numbers are written one way before math-verify sees them (`normalize_number`: thousands
+separators, a leading `+`, a trailing `.0`, `\\$`, `x = `; the list is in math_answers.py).
+Departure: when the gold is a number, the boxed answer must be a number literal too
 (`require_numeric_literal`): math-verify evaluates `\\boxed{23+58}` to 81, so restating the
 question would otherwise earn full reward on arithmetic tasks.
 
@@ -45,6 +48,7 @@ from fractions import Fraction
 from typing import Any
 
 from threepo.services.messages import VerifyRequest, VerifyResult, VerifyStatus
+from threepo.services.verifiers.math_answers import final_boxed, normalize_number
 
 MODES = ("inline", "process")
 
@@ -67,12 +71,18 @@ class MathVerifierConfig:
     """When the gold is a number, accept only a number literal (no `23+58`) as the answer."""
     startup_timeout_s: float = 120.0
     """Process mode: how long a fresh worker may take to import math-verify."""
+    max_trailing_chars: int = 64
+    """Most characters of plain text (no digits, braces or LaTeX commands) allowed after the final
+    box; more is `malformed`."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"MathVerifierConfig.mode: expected one of {MODES}, got {self.mode!r}")
         if self.workers < 1:
             raise ValueError(f"MathVerifierConfig.workers: expected >= 1, got {self.workers}")
+        if self.max_trailing_chars < 0:
+            raise ValueError(f"MathVerifierConfig.max_trailing_chars: expected >= 0, "
+                             f"got {self.max_trailing_chars}")
         for field, value in (("deadline_s", self.deadline_s),
                              ("startup_timeout_s", self.startup_timeout_s),
                              ("parsing_timeout_s", self.parsing_timeout_s),
@@ -84,40 +94,17 @@ class MathVerifierConfig:
 # ---------------------------------------------------------------------------------------------
 # Pure checks.
 
-_NUMBER = re.compile(r"[+-]?(\d+(\.\d+)?|\.\d+|\\[dt]?frac\{\d+\}\{\d+\}|\d+/\d+)")
 _COUNTDOWN_CHARS = re.compile(r"[0-9+\-*/() ]+")
 
 
-def final_boxed(completion: str) -> tuple[str | None, str]:
-    """The content of the last `\\boxed{...}` and "", or None and why it is malformed."""
-    start = completion.rfind("\\boxed{")
-    if start < 0:
-        return None, "no \\boxed{...} answer"
-    depth, end = 0, -1
-    for pos in range(start + len("\\boxed"), len(completion)):
-        depth += {"{": 1, "}": -1}.get(completion[pos], 0)
-        if depth == 0:
-            end = pos
-            break
-    if end < 0:
-        return None, "unclosed \\boxed{"
-    rest = completion[end + 1:]
-    if rest.strip():
-        return None, f"text after the boxed answer: {rest[:20]!r}"
-    content = completion[start + len("\\boxed{"):end].strip()
-    if not content:
-        return None, "empty \\boxed{}"
-    return content, ""
-
-
-def _precheck(request: VerifyRequest) -> tuple[str | None, str]:
+def _precheck(request: VerifyRequest, max_trailing_chars: int = 64) -> tuple[str | None, str]:
     """The boxed answer, or None and why the completion earns nothing regardless of its answer."""
     if request.finish_reason == "length":
         return None, "truncated: the completion hit the length limit without ending"
     if request.finish_reason != "stop":
         raise ValueError(f"VerifyRequest.finish_reason: expected 'stop' or 'length', "
                          f"got {request.finish_reason!r}")
-    return final_boxed(request.completion)
+    return final_boxed(request.completion, max_trailing_chars)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -134,6 +121,9 @@ def check_math(gold: str, answer: str, parsing_timeout_s: int = 5, verify_timeou
     from math_verify import parse, verify
     from math_verify.errors import TimeoutException
 
+    gold_number, answer_number = normalize_number(gold), normalize_number(answer)
+    gold, shown = gold_number or gold, answer
+    answer = answer_number or answer  # 1,234 -> 1234 (math-verify reads 1\\,234 as 235)
     try:
         gold_parsed = _parse_gold(gold, parsing_timeout_s)
         if not gold_parsed:
@@ -141,10 +131,9 @@ def check_math(gold: str, answer: str, parsing_timeout_s: int = 5, verify_timeou
         pred_parsed = parse(f"\\boxed{{{answer}}}", parsing_timeout=parsing_timeout_s,
                             raise_on_error=True)
         if not pred_parsed:
-            return VerifyStatus.MALFORMED, f"boxed answer {answer[:40]!r} does not parse"
-        if (require_numeric_literal and _NUMBER.fullmatch(gold.strip())
-                and not _NUMBER.fullmatch(answer)):
-            return VerifyStatus.WRONG, f"answer {answer[:40]!r} is not a number literal"
+            return VerifyStatus.MALFORMED, f"boxed answer {shown[:40]!r} does not parse"
+        if require_numeric_literal and gold_number is not None and answer_number is None:
+            return VerifyStatus.WRONG, f"answer {shown[:40]!r} is not a number literal"
         correct = verify(gold_parsed, pred_parsed, timeout_seconds=verify_timeout_s,
                          raise_on_error=True)
     except TimeoutException as exc:  # a BaseException: `except Exception` would miss it
@@ -152,7 +141,7 @@ def check_math(gold: str, answer: str, parsing_timeout_s: int = 5, verify_timeou
     except Exception as exc:  # the checker failed, which says nothing about the completion
         return VerifyStatus.INFRA_ERROR, f"math-verify raised {type(exc).__name__}: {exc}"[:200]
     if not correct:
-        return VerifyStatus.WRONG, f"{answer[:40]!r} != {gold!r}"
+        return VerifyStatus.WRONG, f"{shown[:40]!r} != {gold!r}"
     return VerifyStatus.OK, ""
 
 
@@ -321,7 +310,7 @@ class MathVerifier:
 
     async def verify(self, request: VerifyRequest) -> VerifyResult:
         started = time.perf_counter()
-        answer, why = _precheck(request)
+        answer, why = _precheck(request, self.config.max_trailing_chars)
         if answer is None:
             return _result(VerifyStatus.MALFORMED, why, started)
         cfg = self.config
