@@ -7,21 +7,27 @@ None is the clean mean (σ = 0). For one prompt, every slot produces `rollouts_p
 `group_of(slot)` says which of the prompt's `groups_per_prompt` advantage groups (each of
 `group_size` rollouts) they join:
 
-| kind | slots | rollouts per slot | groups per prompt × group size | gradient at |
-|------|-------|-------------------|--------------------------------|-------------|
-| grpo | 1, seed None | G | 1 × G | mean (σ = 0) |
-| b3po | 1 seeded | G | 1 × G | rollout_sample (the slot's own θ̂) |
-| m3po | M seeded | G/M (equal compute) or G | M × (G/M) or M × G, a group per slot | rollout_sample |
-| c3po | N seeded | G/N | 1 × G shared by all slots | fresh_sample θ̂′ (gradient_seed) |
+| kind | slots | rollouts per slot | groups per prompt × group size | gradient at (each learner update) |
+|------|-------|-------------------|--------------------------------|-----------------------------------|
+| grpo | 1, seed None | G | 1 × G | m (no posterior); a fresh θ̂′ with IVON |
+| b3po | 1 seeded | G | 1 × G | a fresh θ̂′ |
+| m3po | M seeded | G/M (equal compute) or G | M × (G/M) or M × G, a group per slot | a fresh θ̂′_k per slot group (K = M samples) |
+| c3po | N seeded | G/N | 1 × G shared by all slots | a fresh θ̂′ |
 
 Seeds come from a stable hash of (base_seed, version, slot) (`param_noise.tensor_seed`, blake2b),
-so every process derives the same plan. A "rollout_sample" gradient reproduces the engine's θ̂
-exactly only while the learner's (m, h) equal the version's.
+so every process derives the same plan. The gradient sample is fresh for every learner update
+(`update_seed`, `gradient_points`): a version lives for several learner steps (the sync budget), and
+IVON's Price estimate ĥ = λ(h+δ) ε ⊙ ĝ assumes a new ε every step (§1.2), so B3PO and M3PO cannot
+reuse their slot's z at the gradient. Synchronous 3PO (§2.2: publish every step) takes B3PO's and
+M3PO's gradient at the rollout's own θ̂; here the importance weights correct behaviour (the slot's
+θ̂ at its version) → the fresh θ̂′ instead, exactly as C3PO's do. GRPO with IVON keeps the rollouts
+at the mean and trains IVON as IVON trains (gradient at a sample; at the mean ĥ = 0 and h decays).
 
 Not here: the noise itself (param_noise.py), advantages (advantages.py), scheduling of slots on
 engines (the driver). Action-space baselines (temperature, entropy bonus, clip-higher, KL-Cov) are
 loss settings, not plans: see losses.py.
-Departures: none from §2; the table's names (kind, gradient_at) are ours.
+Departures: B3PO/M3PO gradient at a fresh sample instead of the rollout's own (above); the table's
+names (kind, gradient_at) are ours.
 """
 
 from __future__ import annotations
@@ -31,9 +37,9 @@ from dataclasses import dataclass
 from threepo.algorithms.param_noise import tensor_seed
 
 KINDS = ("grpo", "b3po", "m3po", "c3po")
-GRADIENT_AT = ("mean", "rollout_sample", "fresh_sample")
-# where each kind takes its gradient (§2.2): at m, at the rollout's own θ̂_k, or at a fresh θ̂′
-_GRADIENT_OF_KIND = {"grpo": "mean", "b3po": "rollout_sample", "m3po": "rollout_sample",
+GRADIENT_AT = ("mean", "fresh_sample")
+# where each kind takes its gradient without / with a posterior to sample from (module table)
+_GRADIENT_OF_KIND = {"grpo": "mean", "b3po": "fresh_sample", "m3po": "fresh_sample",
                      "c3po": "fresh_sample"}
 
 
@@ -49,9 +55,10 @@ class Slot:
 class ExplorationPlan:
     """Slots, grouping and gradient point of one posterior version (§2.2; table in module doc).
 
-    `group_size` is the size of one advantage group; `gradient_seed` is the seed of θ̂′ when
-    gradient_at="fresh_sample" (C3PO) and None otherwise (B3PO and M3PO take the gradient at each
-    rollout's own recorded slot seed; GRPO at the mean).
+    `group_size` is the size of one advantage group; `gradient_seed` is the seed of one θ̂′ per
+    version, plan_seed(base_seed, version, "gradient"), when gradient_at="fresh_sample" (None for
+    grpo): the gradient sample of a loop that takes one step per version (§2.5). The learner, which
+    takes several steps per version, draws its own for every update (`update_seed`).
     """
 
     kind: str
@@ -99,8 +106,39 @@ class ExplorationPlan:
 
 def plan_seed(base_seed: int, version: int, label: str) -> int:
     """Stable 63-bit seed of one plan entry: blake2b(base_seed, "v<version>/<label>"); label is
-    "slot<i>" for slot i and "gradient" for C3PO's θ̂′. Never Python's per-process `hash`."""
+    "slot<i>" for slot i and "gradient" for the version's θ̂′. Never Python's per-process `hash`."""
     return tensor_seed(base_seed, f"v{version}/{label}")
+
+
+def update_seed(base_seed: int, step: int, update: int, sample: int = 0) -> int:
+    """Seed of the gradient sample θ̂′ of learner step `step`, update `update` (epoch × mini-batch
+    within the step) and Monte-Carlo sample `sample`: blake2b(base_seed, "learner<step>/u<update>/k<sample>").
+    Its label space is disjoint from `plan_seed`'s ("v<version>/..."), so it is never a slot's seed."""
+    return tensor_seed(base_seed, f"learner{step}/u{update}/k{sample}")
+
+
+def gradient_points(kind: str, *, variational: bool, base_seed: int, step: int, update: int,
+                    slots: list[int]) -> list[tuple[int | None, list[int]]]:
+    """Where one learner update takes its gradient, and on which of its rollouts (module table).
+
+    `slots[i]` is the slot index of the update's i-th rollout. Returns (seed, positions) pairs, one
+    per Monte-Carlo sample of the update: seed None is the mean m (only without a posterior,
+    `variational=False`, i.e. GRPO with AdamW); otherwise `update_seed(base_seed, step, update, k)`
+    with k = 0 for one sample on all rollouts (grpo, b3po, c3po) and k = the slot index for M3PO,
+    one sample per slot group (its groups are one slot each). Raises ValueError for a 3PO kind
+    without a posterior.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    everything = list(range(len(slots)))
+    if not variational:
+        if kind != "grpo":
+            raise ValueError(f"{kind} samples from a posterior: variational must be true")
+        return [(None, everything)]
+    if kind != "m3po":
+        return [(update_seed(base_seed, step, update, 0), everything)]
+    return [(update_seed(base_seed, step, update, k), [i for i, s in enumerate(slots) if s == k])
+            for k in sorted(set(slots))]
 
 
 def make_plan(kind: str, *, version: int, base_seed: int, group_size: int, n_slots: int,
@@ -129,7 +167,7 @@ def make_plan(kind: str, *, version: int, base_seed: int, group_size: int, n_slo
     slots = tuple(Slot(i, s) for i, s in enumerate(seeds))
     per_slot = group_size // n_slots if equal_compute else group_size
     groups = n_slots if kind == "m3po" else 1
-    grad_seed = plan_seed(base_seed, version, "gradient") if kind == "c3po" else None
+    grad_seed = plan_seed(base_seed, version, "gradient") if kind != "grpo" else None
     return ExplorationPlan(kind=kind, version=version, slots=slots, rollouts_per_slot=per_slot,
                            group_size=n_slots * per_slot // groups, groups_per_prompt=groups,
                            gradient_at=_GRADIENT_OF_KIND[kind], gradient_seed=grad_seed)

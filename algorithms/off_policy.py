@@ -9,7 +9,7 @@ Throughout, ℓ = logp − logp_behav per token, where logp is the learner's (π
 clamped to ±20 before exponentiation, detached, and zero on padding.
 
 What this is not: the loss (losses.py multiplies or masks with these), the sync decision
-(sync_budget.py consumes kl_k3 and kish_ess_fraction), anything with a gradient.
+(sync_budget.py consumes `behaviour_drift`), anything with a gradient.
 Departures: none from §5.6/§5.7; optional batch-normalisation of weights to mean 1 and the Geo-RS /
 K3-RS rejection rules of §5.6 are not implemented.
 """
@@ -84,6 +84,28 @@ def seq_mis_weights(logp: torch.Tensor, logp_behav: torch.Tensor, mask: torch.Te
     return torch.where(keep_seq, ratio, torch.zeros_like(ratio)), mask.bool() & keep_seq[:, None]
 
 
+def correction_weights(kind: str, logp: torch.Tensor, logp_behav: torch.Tensor, mask: torch.Tensor, *,
+                       cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token weights [B, T] of correction `kind` and the mask to aggregate the loss with (§5.6):
+
+        none       w_t = M_t                       token_tis  w_t = min(ρ_t, C)
+        seq_tis    w_t = min(Π_s ρ_s, C) · M_t     seq_mis    w_t = Π_s ρ_s · keep, keep = M ∧ (Π_s ρ_s ≤ C)
+
+    Only seq_mis changes the mask (rejected sequences leave the loss denominator)."""
+    match kind:
+        case "none":
+            return mask.to(logp.dtype), mask
+        case "token_tis":
+            return token_is_weights(logp, logp_behav, mask, cap=cap), mask
+        case "seq_tis":
+            return seq_is_weights(logp, logp_behav, mask, cap=cap)[:, None] * mask, mask
+        case "seq_mis":
+            w, keep = seq_mis_weights(logp, logp_behav, mask, cap=cap)
+            keep_tok = mask * keep.to(mask.dtype)
+            return w[:, None] * keep_tok, keep_tok
+    raise ValueError(f"kind must be one of none, token_tis, seq_tis, seq_mis, got {kind!r}")
+
+
 def kish_ess_fraction(log_w: torch.Tensor) -> torch.Tensor:
     """Kish ESS / N of weights w_i = e^{ℓ_i} (§5.7): (Σ w)² / (N Σ w²), in log space as
 
@@ -111,6 +133,23 @@ def kl_k3(logp: torch.Tensor, logp_behav: torch.Tensor, mask: torch.Tensor) -> t
     # expm1(ℓ) − ℓ is exact near ℓ = 0, where e^ℓ − ℓ − 1 cancels to a rounding error that can be < 0
     k3 = (torch.expm1(log_ratio) - log_ratio).clamp_min(0.0) * mask.to(log_ratio.dtype)
     return k3.sum() / mask.sum().clamp_min(1)
+
+
+def behaviour_drift(logp: torch.Tensor, logp_behav: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The sync budget's two measurements (§3.7) of how far a policy π is from the behaviour μ:
+
+        kl_k3     mean_t(e^ℓ − ℓ − 1),  ℓ = logp − logp_behav        (k3 estimate of KL(μ ‖ π))
+        ess_frac  Kish ESS / N of the sequence weights e^{Σ_t ℓ_t}     (sequences with a valid token)
+
+    Which π is compared decides what is measured. Against the gradient point θ̂′ (what the importance
+    weights correct to) it is drift of (m, σ) since the version plus the exploration noise between
+    the slot's z and z′, which is there even before the mean moves. Against the rollout's own slot
+    rebuilt from the current posterior, m_t + σ_t ⊙ z(seed), the noise realisation is held fixed and
+    only the drift (plus the sampler–learner numerical mismatch) remains: that is the staleness the
+    sync budget is for. Shapes: [B, T] -> 0-dim tensors, detached.
+    """
+    seq = _seq_log_ratio(logp, logp_behav, mask)[mask.bool().any(dim=1)]
+    return {"kl_k3": kl_k3(logp, logp_behav, mask), "ess_frac": kish_ess_fraction(seq)}
 
 
 @torch.no_grad()

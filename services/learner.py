@@ -1,11 +1,14 @@
 """The learner: owns the training copy of the model and the optimizer state (IVON or AdamW).
 
-`step(groups)` turns complete, scored groups into advantages and the off-policy-corrected loss
-(all math in algorithms/), takes the gradient where the exploration plan says — at a fresh
-posterior sample θ̂′ (C3PO), at each rollout's own sample (B3PO, M3PO: one IVON Monte-Carlo sample
-per slot) or at the mean (GRPO) — steps, and decides with the sync budget whether to publish a new
-version. Drift diagnostics compare each rollout's behaviour log-probs with the learner's log-probs at
-the gradient point *before* the update (the policy the next batch would be corrected towards).
+`step(groups)` turns complete, scored groups into advantages and the off-policy-corrected loss (all
+math in algorithms/) and takes `ppo_epochs × mini_batches` optimizer updates, each at the gradient
+point of `exploration.gradient_points` — a fresh posterior sample θ̂′ per update (M3PO: one per slot
+group, K = M Monte-Carlo samples per IVON step), or the mean for GRPO with AdamW. Every update's
+proximal policy π_prox is the policy at the start of the step at that update's gradient point
+(computed before the first update, no grad), so later updates see ratios ≠ 1 and the clips act; the
+importance weights correct each rollout's behaviour μ (its slot at its version) to π_prox. The sync
+budget acts on the drift of each rollout's own slot rebuilt from the start-of-step posterior, not on
+the exploration noise between slots (off_policy.behaviour_drift).
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ import torch
 
 from threepo.algorithms import advantages as adv_math
 from threepo.algorithms import losses, off_policy
-from threepo.algorithms.exploration import plan_seed
+from threepo.algorithms.exploration import gradient_points
 from threepo.algorithms.ivon import IVON
 from threepo.algorithms.rouge import rouge_l_rewards
 from threepo.algorithms.sync_budget import sync_decision
 from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig
 from threepo.services.messages import Group, PublishedVersion, VerifyStatus
 from threepo.services.modeling import load_model, trainable_named_parameters
+from threepo.services.proximal import StartLogprobs
 from threepo.services.vp2o_hooks import VP2OConfig, VP2OHooks
 
 
@@ -85,18 +89,27 @@ class Learner:
     def step(self, groups: Sequence[Group]) -> StepResult:
         started = time.perf_counter()
         batch = self._collate(groups)
-        advantages, adv_metrics = self._advantages(batch, groups)
-        diag = []
-        for seed, rows in self._gradient_points(batch):
-            with self._at(seed):
-                diag.append(self._backward(batch, rows, advantages[rows]))
-        vp2o_metrics = self._vp2o_step() if self.vp2o else {}
-        if not self.vp2o:
-            self._optimizer_step()
+        rewards = self._rewards(batch, groups)
+        keep = adv_math.dynamic_filter(rewards) if self.algo.dynamic_filter else torch.ones(len(groups), dtype=torch.bool)
+        updates = self._updates(batch, keep)
+        start = self._start_logprobs(batch, updates)
+        lampo = self.algo.advantage == "lampo"  # its Δs needs π_prox before the first update
+        advantages, adv_metrics = self._advantages(batch, rewards, start.first(updates) if lampo else None)
+        diag, vp2o_metrics = [], {}
+        for u, points in enumerate(updates):
+            for seed, rows in points:
+                with self._at(seed):
+                    metrics, logp = self._backward(batch, rows, advantages[rows], start.get(seed, rows))
+                if u == 0:
+                    start.put(seed, rows, logp)  # update 0 runs at the start weights: its own π_prox
+                diag.append(metrics)
+            vp2o_metrics = self._vp2o_step() if self.vp2o else self._optimizer_step()
         self.step_count += 1
         self.steps_since_sync += 1
-        metrics = {**adv_metrics, **_mean_dicts(diag), **self._group_metrics(groups), **vp2o_metrics}
-        decision = sync_decision(kl=metrics["kl_k3"], ess_frac=metrics["ess_frac"],
+        metrics = {**adv_metrics, **(_mean_dicts(diag) if diag else {}), **self._group_metrics(groups),
+                   **vp2o_metrics, **self._drift_metrics(batch, start, updates),
+                   "updates": float(len(updates)), "filtered_groups": float((~keep).sum())}
+        decision = sync_decision(kl=metrics["kl_k3_drift"], ess_frac=metrics["ess_frac_drift"],
                                  steps_since_sync=self.steps_since_sync, kappa=self.sync.kappa,
                                  eta=self.sync.eta, max_staleness=self.sync.max_staleness)
         if decision.publish:
@@ -111,11 +124,13 @@ class Learner:
                           publish_version=self.version if decision.publish else None,
                           publish_reason=decision.reason)
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self) -> dict[str, float]:
+        """One optimizer step from the accumulated gradients (no metrics of its own)."""
         if self.optim_cfg.name == "adamw":
             torch.nn.utils.clip_grad_norm_([p for _, p in self.named], self.optim_cfg.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        return {}
 
     def _vp2o_step(self) -> dict[str, float]:
         """VP2O around the optimizer step (algorithms.md §3.5, §3.7): Stein transport of the expert
@@ -130,41 +145,65 @@ class Learner:
         self._optimizer_step()
         return {**metrics, **self.vp2o.after_step(prev, write_back=write_back)}
 
-    def _gradient_points(self, batch: _Batch) -> list[tuple[int | None, torch.Tensor]]:
-        """(seed, rows) pairs: where the gradient is taken and on which rollouts (the plan's rule)."""
-        everything = torch.arange(len(batch.slot_seeds))
-        match self.algo.exploration:
-            case "grpo":
-                return [(None, everything)]
-            case "c3po":  # a fresh θ̂′ per step, shared by the whole batch
-                return [(plan_seed(self.algo.seed, self.step_count, "gradient"), everything)]
-            case "b3po" | "m3po":  # each rollout's own sample: one Monte-Carlo sample per seed
-                seeds = sorted(set(batch.slot_seeds))
-                return [(s, torch.tensor([i for i, x in enumerate(batch.slot_seeds) if x == s]))
-                        for s in seeds]
-        raise ValueError(f"algo.exploration: unknown {self.algo.exploration!r}")
+    def _updates(self, batch: _Batch, keep: torch.Tensor) -> list[list[tuple[int | None, torch.Tensor]]]:
+        """The step's optimizer updates: `ppo_epochs` passes over the kept groups, each split into
+        `mini_batches` contiguous shares of whole groups; an update is a list of (gradient seed, rows),
+        one per Monte-Carlo sample (`exploration.gradient_points`: fresh θ̂′ per update)."""
+        a, size = self.algo, batch.rewards.shape[1]
+        kept = keep.nonzero().flatten().numpy()
+        shares = np.array_split(kept, min(a.mini_batches, len(kept))) if len(kept) else []
+        slots, updates = batch.slots.reshape(-1), []
+        for _ in range(a.ppo_epochs):
+            for share in shares:
+                rows = torch.cat([torch.arange(g * size, (g + 1) * size) for g in share.tolist()])
+                points = gradient_points(a.exploration, variational=self.optim_cfg.name == "ivon",
+                                         base_seed=a.seed, step=self.step_count, update=len(updates),
+                                         slots=slots[rows].tolist())
+                updates.append([(seed, rows[torch.tensor(at)]) for seed, at in points])
+        return updates
 
-    def _at(self, seed: int | None):
+    def _at(self, seed: int | None, train: bool = True):
         """Context placing the model at θ̂ = m + σ ⊙ z(seed) (IVON) or leaving it as it is (AdamW)."""
-        if self.optim_cfg.name == "ivon":
-            return self.opt.sampled_params(seed, train=True)
-        return contextlib.nullcontext()
+        ivon = self.optim_cfg.name == "ivon"
+        return self.opt.sampled_params(seed, train=train) if ivon else contextlib.nullcontext()
 
-    def _backward(self, batch: _Batch, rows: torch.Tensor, advantages: torch.Tensor) -> dict:
-        """Loss on `rows` at the current weights; backward; return detached diagnostics."""
+    def _start_logprobs(self, batch: _Batch, updates: list) -> StartLogprobs:
+        """Token log-probs at the start of the step (no grad), for every point that needs them before
+        the weights move: the π_prox of updates ≥ 1, every rollout's own slot θ̂ at the current
+        (m, σ) for the drift diagnostic, and for LamPO also update 0's π_prox (Δs comes first).
+        Update 0's π_prox is otherwise its own first forward (stored by `step`)."""
+        lampo, need = self.algo.advantage == "lampo", {}
+        for r, seed in enumerate(batch.slot_seeds):
+            need.setdefault(seed, set()).add(r)
+        for u, points in enumerate(updates):
+            for seed, rows in points:
+                if u or lampo:
+                    need.setdefault(seed, set()).update(rows.tolist())
+        for seed, rows in ([] if lampo or not updates else updates[0]):
+            need.get(seed, set()).difference_update(rows.tolist())
+        start = StartLogprobs(batch.mask.shape)
+        for seed, rows in need.items():
+            if rows:
+                idx = torch.tensor(sorted(rows))
+                with torch.no_grad(), self._at(seed, train=False):
+                    logits = self.model(input_ids=batch.input_ids[idx], attention_mask=batch.attn[idx]).logits
+                start.put(seed, idx, losses.token_logprobs(logits[:, :-1], batch.targets[idx], self.temperature))
+        return start
+
+    def _backward(self, batch: _Batch, rows: torch.Tensor, advantages: torch.Tensor,
+                  logp_prox: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
+        """Loss on `rows` at the current weights against π_prox (None: this forward is π_prox);
+        backward; return detached diagnostics and the detached token log-probs."""
         a = self.algo
         with self.vp2o.capture(batch.attn[rows]) if self.vp2o else contextlib.nullcontext():
             out = self.model(input_ids=batch.input_ids[rows], attention_mask=batch.attn[rows])
         logits = out.logits[:, :-1]
-        mask, behav = batch.mask[rows], batch.logp_behav[rows]
+        mask = batch.mask[rows]
         logp = losses.token_logprobs(logits, batch.targets[rows], self.temperature)
-        logp_old = logp.detach()  # one epoch, one mini-batch: the proximal policy is the current one
-        weights, mask_eff = self._is_weights(logp_old, behav, mask)
-        loss_tok, clip_metrics = losses.clipped_surrogate(
-            logp, logp_old, advantages, mask_eff, eps_low=a.eps_low, eps_high=a.eps_high,
-            dual_clip_c=a.dual_clip_c or None)
+        prox = logp.detach() if logp_prox is None else logp_prox
+        loss_tok, mask_eff, metrics = self._policy_loss(logp, prox, batch.logp_behav[rows], advantages, mask)
         agg = dict(max_len=self.max_new_tokens)
-        loss = losses.aggregate_loss(loss_tok * weights, mask_eff, a.loss_agg, **agg)
+        loss = losses.aggregate_loss(loss_tok, mask_eff, a.loss_agg, **agg)
         if a.entropy_coef:
             entropy = losses.entropy_from_logits(logits, self.temperature)
             loss = loss - a.entropy_coef * losses.aggregate_loss(entropy, mask_eff, a.loss_agg, **agg)
@@ -174,43 +213,63 @@ class Learner:
             ref_logp = losses.token_logprobs(ref_logits[:, :-1], batch.targets[rows], self.temperature)
             kl = losses.kl_penalty(logp, ref_logp, a.kl_estimator)
             loss = loss + a.kl_coef * losses.aggregate_loss(kl, mask_eff, a.loss_agg, **agg)
-        extra = {}
-        if self.vp2o:
-            spec_loss, extra = self.vp2o.extra_loss()
-            loss = loss + spec_loss
+        spec_loss, extra = self.vp2o.extra_loss() if self.vp2o else (0.0, {})
+        loss = loss + spec_loss
         loss.backward()
-        seq_log_w = ((logp_old - behav) * mask).sum(dim=1)
-        return {"loss": float(loss.detach()), "kl_k3": float(off_policy.kl_k3(logp_old, behav, mask)),
-                "ess_frac": float(off_policy.kish_ess_fraction(seq_log_w)),
-                "is_weight_mean": float((weights.sum(1) / mask.sum(1).clamp(min=1)).mean()),
-                **extra, **{k: float(v) for k, v in clip_metrics.items()}}
+        return {"loss": float(loss.detach()), **extra, **{k: float(v) for k, v in metrics.items()}}, logp.detach()
 
-    def _is_weights(self, logp_old: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor):
-        """Detached importance weights [b, T] and the effective loss mask (rejection removes tokens)."""
+    def _policy_loss(self, logp, prox, behav, advantages, mask):
+        """Per-token policy loss of `algo.loss` (behaviour correction included), the mask to
+        aggregate it with, and its metrics (algorithms/losses.py)."""
         a = self.algo
-        match a.is_correction:
-            case "none":
-                return mask.to(logp_old.dtype), mask
-            case "token_tis":
-                return off_policy.token_is_weights(logp_old, behav, mask, cap=a.is_cap), mask
-            case "seq_tis":
-                w = off_policy.seq_is_weights(logp_old, behav, mask, cap=a.is_cap)
-                return w[:, None] * mask, mask
-            case "seq_mis":
-                w, keep = off_policy.seq_mis_weights(logp_old, behav, mask, cap=a.is_cap)
-                keep_tok = mask * keep.to(mask.dtype)[:, None]
-                return w[:, None] * keep_tok, keep_tok
-        raise ValueError(f"algo.is_correction: unknown {a.is_correction!r}")
+        clip = dict(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip_c=a.dual_clip_c or None)
+        if a.loss == "decoupled_ppo":  # aggregated over the original mask, as AReaL does
+            loss_tok, metrics = losses.decoupled_ppo_loss(logp, prox, behav, advantages, mask,
+                                                          behav_imp_weight_cap=a.is_cap, **clip)
+            return loss_tok, mask, metrics
+        weights, mask_eff = off_policy.correction_weights(a.is_correction, prox, behav, mask, cap=a.is_cap)
+        if a.loss == "kl_cov":
+            loss_tok, metrics = losses.kl_cov_loss(logp, prox, advantages, mask_eff, kl_cov_ratio=a.kl_cov_ratio,
+                                                   ppo_kl_coef=a.kl_cov_coef)
+        else:
+            loss_tok, metrics = losses.clipped_surrogate(logp, prox, advantages, mask_eff, **clip)
+        metrics["is_weight_mean"] = (weights.sum(1) / mask.sum(1).clamp(min=1)).mean()
+        return loss_tok * weights, mask_eff, metrics
 
-    def _advantages(self, batch: _Batch, groups: Sequence[Group]) -> tuple[torch.Tensor, dict]:
-        """Per-rollout advantages [B] from the [B/G, G] reward matrix (the configured estimator)."""
-        a, rewards = self.algo, batch.rewards
+    def _drift_metrics(self, batch: _Batch, start: StartLogprobs, updates: list) -> dict:
+        """Behaviour μ against (a) each rollout's own slot rebuilt at the start-of-step (m, σ): the
+        drift the sync budget acts on (`*_drift`), and (b) the π_prox of its first update (what the
+        importance weights correct to: drift plus the noise between z and z′; updated rows only;
+        a step without an update reports the drift values there)."""
+        same_slot = torch.zeros_like(batch.logp_behav)
+        for seed in set(batch.slot_seeds):
+            rows = torch.tensor([r for r, x in enumerate(batch.slot_seeds) if x == seed])
+            same_slot[rows] = start.get(seed, rows)
+        drift = off_policy.behaviour_drift(same_slot, batch.logp_behav, batch.mask)
+        out = {"kl_k3_drift": float(drift["kl_k3"]), "ess_frac_drift": float(drift["ess_frac"]),
+               "kl_k3": float(drift["kl_k3"]), "ess_frac": float(drift["ess_frac"])}
+        if updates:
+            rows = torch.unique(torch.cat([rows for points in updates for _, rows in points]))
+            total = off_policy.behaviour_drift(start.first(updates)[rows], batch.logp_behav[rows], batch.mask[rows])
+            out.update(kl_k3=float(total["kl_k3"]), ess_frac=float(total["ess_frac"]))
+        return out
+
+    def _rewards(self, batch: _Batch, groups: Sequence[Group]) -> torch.Tensor:
+        """The [B/G, G] rewards the advantages use: the verifier's, plus λ_sem·ROUGE-L for LamPO."""
+        if self.algo.advantage != "lampo":
+            return batch.rewards
+        sem = torch.stack([rouge_l_rewards([s.completion.text for s in g.completions], g.item.solution)
+                           if g.item.solution else torch.zeros(len(g.completions), dtype=torch.float64)
+                           for g in groups]).to(batch.rewards.dtype)
+        return adv_math.combined_reward(batch.rewards, sem, self.algo.lampo_lam_sem)
+
+    def _advantages(self, batch: _Batch, rewards: torch.Tensor, logp_prox: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+        """Per-rollout advantages [B] from the [B/G, G] reward matrix (the configured estimator).
+        LamPO's Δs uses `logp_prox`, each rollout's π_prox at its first update: one policy for all
+        rollouts of a group (whole groups per update, M3PO's groups are one slot each)."""
+        a = self.algo
         if a.advantage == "lampo":
-            sem = torch.stack([rouge_l_rewards([s.completion.text for s in g.completions], g.item.solution)
-                               if g.item.solution else torch.zeros(len(g.completions), dtype=torch.float64)
-                               for g in groups]).to(rewards.dtype)
-            rewards = adv_math.combined_reward(rewards, sem, a.lampo_lam_sem)
-            seq_logp = adv_math.sequence_logprob(batch.logp_behav, batch.mask, a.lampo_seq_logp)
+            seq_logp = adv_math.sequence_logprob(logp_prox, batch.mask, a.lampo_seq_logp)
             advantages = adv_math.lampo_advantages(rewards, seq_logp.view_as(rewards), tau=a.lampo_tau)
         elif a.advantage == "dr_grpo":
             advantages = adv_math.dr_grpo_advantages(rewards)

@@ -5,6 +5,7 @@ contradictory combinations are rejected by `check_combination` before anything s
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -14,9 +15,11 @@ class AlgoConfig:
     """What is optimised. Any exploration composes with any advantage, correction and loss."""
 
     exploration: Literal["grpo", "b3po", "m3po", "c3po"] = "c3po"
-    """Parameter-space exploration (algorithms.md §2): grpo = no noise (σ = 0); b3po = one posterior
-    sample per version; m3po = M samples, each its own group; c3po = N samples sharing one group,
-    gradient at a fresh sample θ̂′."""
+    """Parameter-space exploration (algorithms.md §2): grpo = rollouts at the mean (σ = 0); b3po =
+    one posterior sample per version; m3po = M samples, each its own group; c3po = N samples sharing
+    one group. The gradient is at a fresh posterior sample θ̂′ for every update (m3po: one per slot
+    group), also for grpo with optim.name=ivon (IVON's training rule: at the mean its Hessian
+    estimate is 0 and h only decays); grpo with AdamW takes it at the mean."""
     advantage: Literal["grpo", "dr_grpo", "lampo"] = "grpo"
     """Advantage estimator: std-normalised (grpo), mean-centred (dr_grpo), pairwise (lampo, §4.1)."""
     group_size: int = 16
@@ -28,14 +31,35 @@ class AlgoConfig:
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                       "seq-mean-token-sum-norm"] = "token-mean"
     """Loss aggregation (§0.2); Dr.GRPO pairs with seq-mean-token-sum-norm."""
+    loss: Literal["ppo", "decoupled_ppo", "kl_cov"] = "ppo"
+    """Policy loss (algorithms.md §0.1, §5.4, §5.5): ppo = clipped surrogate on π_θ/π_prox times the
+    `is_correction` weights π_prox/μ; decoupled_ppo = AReaL's, the token weights π_prox/μ built in
+    and tokens above `is_cap` masked out (needs is_correction = none); kl_cov = KL-Cov, no clip,
+    |log π_θ/π_prox| penalty on the top `kl_cov_ratio` tokens by covariance. π_prox is the policy at
+    the start of the step at the update's gradient point."""
+    ppo_epochs: int = 1
+    """Passes over the step's batch. Each pass takes `mini_batches` optimizer steps."""
+    mini_batches: int = 1
+    """Optimizer steps per pass, each on a contiguous share of the batch's groups (whole groups).
+    With ppo_epochs = mini_batches = 1 (3PO's setting, §7) the only update starts at π_prox, so the
+    ratio is 1 and eps_low, eps_high, dual_clip_c and KL-Cov's penalty act on nothing; later
+    updates of a step see ratios ≠ 1 (the policy moved, the noise realisation z′ is the same on both
+    sides) and the clips act. With IVON every update is one IVON step at a fresh θ̂′."""
     eps_low: float = 0.2
-    """PPO clip range below 1."""
+    """PPO clip range below 1 (ppo, decoupled_ppo; changing it needs more than one update)."""
     eps_high: float = 0.2
-    """PPO clip range above 1 (clip-higher baseline: 0.28 to 0.5)."""
+    """PPO clip range above 1 (clip-higher baseline: 0.28 to 0.5; needs more than one update)."""
     dual_clip_c: float = 0.0
-    """Dual clip constant c > 1 for negative advantages (0 = off)."""
+    """Dual clip constant c > 1 for negative advantages (0 = off; needs more than one update)."""
+    kl_cov_ratio: float = 2e-4
+    """kl_cov: share of valid tokens penalised (verl's default; 3PO's baseline used 0.2)."""
+    kl_cov_coef: float = 1.0
+    """kl_cov: coefficient of the |log π_θ/π_prox| penalty."""
+    dynamic_filter: bool = False
+    """DAPO dynamic filter (§5.3): groups whose rewards are all equal are left out of the update
+    (counted in `filtered_groups`); a step with none left takes no optimizer step."""
     is_correction: Literal["none", "token_tis", "seq_tis", "seq_mis"] = "seq_tis"
-    """Off-policy correction against each rollout's own behaviour log-probs (§5.6)."""
+    """Off-policy correction π_prox/μ against each rollout's own behaviour log-probs (§5.6)."""
     is_cap: float = 2.0
     """Truncation / rejection threshold C of the importance weights."""
     entropy_coef: float = 0.0
@@ -47,7 +71,8 @@ class AlgoConfig:
     lampo_tau: float = 1.5
     """LamPO temperature τ of the pairwise confidence weight."""
     lampo_seq_logp: Literal["sum", "mean"] = "sum"
-    """LamPO sequence log-prob: summed or length-normalised behaviour log-probs."""
+    """LamPO sequence log-prob: summed or length-normalised, under π_prox recomputed by the learner
+    (one policy for a whole group, never the N slots' behaviour log-probs)."""
     lampo_lam_sem: float = 0.1
     """LamPO λ_sem: weight of the ROUGE-L reward against the item's reference solution."""
     vp2o: bool = False
@@ -72,6 +97,30 @@ class AlgoConfig:
             raise ValueError(f"algo.dual_clip_c: expected 0 (off) or > 1, got {self.dual_clip_c}")
         if self.lampo_tau <= 0:
             raise ValueError(f"algo.lampo_tau: expected > 0, got {self.lampo_tau}")
+        self._check_loss()
+
+    def _check_loss(self) -> None:
+        """Reject loss settings that would silently do nothing (see the fields' docstrings)."""
+        if self.loss not in ("ppo", "decoupled_ppo", "kl_cov"):
+            raise ValueError(f"algo.loss: expected ppo, decoupled_ppo or kl_cov, got {self.loss!r}")
+        for name in ("ppo_epochs", "mini_batches"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"algo.{name}: expected an integer >= 1, got {getattr(self, name)!r}")
+        if self.loss == "decoupled_ppo" and self.is_correction != "none":
+            raise ValueError("algo.loss=decoupled_ppo weights tokens by π_prox/μ itself (masked above "
+                             f"algo.is_cap): set algo.is_correction=none (got {self.is_correction})")
+        defaults = {f.name: f.default for f in dataclasses.fields(AlgoConfig)}
+        changed = [n for n in ("eps_low", "eps_high", "dual_clip_c") if getattr(self, n) != defaults[n]]
+        if changed and self.loss == "kl_cov":
+            raise ValueError(f"algo.{changed[0]}: algo.loss=kl_cov has no clip; leave it at {defaults[changed[0]]}")
+        if changed and self.ppo_epochs * self.mini_batches == 1:
+            raise ValueError(f"algo.{changed[0]}: with one update per step the ratio π_θ/π_prox is 1 and the "
+                             "clip never acts; set algo.mini_batches or algo.ppo_epochs > 1")
+        unused = [n for n in ("kl_cov_ratio", "kl_cov_coef") if getattr(self, n) != defaults[n]]
+        if unused and self.loss != "kl_cov":
+            raise ValueError(f"algo.{unused[0]}: only used by algo.loss=kl_cov (got loss={self.loss})")
+        if not 0.0 <= self.kl_cov_ratio <= 1.0 or self.kl_cov_coef < 0:
+            raise ValueError("algo.kl_cov_ratio in [0, 1] and algo.kl_cov_coef >= 0 expected")
 
 
 @dataclass(frozen=True)

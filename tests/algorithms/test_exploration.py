@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from threepo.algorithms.exploration import ExplorationPlan, Slot, make_plan, plan_seed
+from threepo.algorithms.exploration import ExplorationPlan, Slot, gradient_points, make_plan, plan_seed, update_seed
 
 
 def test_grpo_one_clean_slot():
@@ -19,11 +19,11 @@ def test_grpo_one_clean_slot():
     assert plan.gradient_at == "mean" and plan.gradient_seed is None and plan.group_of(0) == 0
 
 
-def test_b3po_one_seeded_slot_gradient_at_rollout_sample():
+def test_b3po_one_seeded_slot_gradient_at_a_fresh_sample():
     plan = make_plan("b3po", version=2, base_seed=1, group_size=16, n_slots=1)
     assert len(plan.slots) == 1 and plan.slots[0].seed == plan_seed(1, 2, "slot0")
     assert (plan.rollouts_per_slot, plan.group_size, plan.groups_per_prompt) == (16, 16, 1)
-    assert plan.gradient_at == "rollout_sample" and plan.gradient_seed is None
+    assert plan.gradient_at == "fresh_sample" and plan.gradient_seed not in {None, plan.slots[0].seed}
 
 
 def test_m3po_equal_compute_and_unconstrained():
@@ -97,3 +97,26 @@ def test_plan_validates_when_built_by_hand():
     with pytest.raises(dataclasses.FrozenInstanceError):
         good.version = 1  # type: ignore[misc]
     assert isinstance(good, ExplorationPlan)
+
+
+def test_update_seeds_are_fresh_per_step_update_and_sample_and_never_a_slot_seed():
+    seeds = {update_seed(3, step, update, sample) for step in range(4) for update in range(3) for sample in range(4)}
+    assert len(seeds) == 4 * 3 * 4 and all(0 <= s < 2**63 for s in seeds)
+    slots = {s.seed for v in range(4) for s in make_plan("c3po", version=v, base_seed=3, group_size=8, n_slots=4).slots}
+    assert not seeds & slots
+    assert update_seed(3, 1, 0, 0) != update_seed(4, 1, 0, 0)
+
+
+def test_gradient_points_of_each_kind():
+    slots = [0, 0, 1, 1, 0, 1]
+    fresh = update_seed(5, 7, 2, 0)
+    for kind in ("b3po", "c3po", "grpo"):  # grpo with IVON: IVON's own training rule, rollouts at m
+        assert gradient_points(kind, variational=True, base_seed=5, step=7, update=2, slots=slots) == \
+            [(fresh, [0, 1, 2, 3, 4, 5])]
+    assert gradient_points("grpo", variational=False, base_seed=5, step=7, update=2, slots=slots) == \
+        [(None, [0, 1, 2, 3, 4, 5])]
+    # M3PO: one Monte-Carlo sample per slot group, each fresh (K = M samples in one IVON step)
+    assert gradient_points("m3po", variational=True, base_seed=5, step=7, update=2, slots=slots) == \
+        [(update_seed(5, 7, 2, 0), [0, 1, 4]), (update_seed(5, 7, 2, 1), [2, 3, 5])]
+    with pytest.raises(ValueError, match="variational"):
+        gradient_points("c3po", variational=False, base_seed=5, step=7, update=2, slots=slots)

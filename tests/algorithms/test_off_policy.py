@@ -9,6 +9,8 @@ import torch
 
 from threepo.algorithms.losses import aggregate_loss
 from threepo.algorithms.off_policy import (
+    behaviour_drift,
+    correction_weights,
     kish_ess_fraction,
     kl_k1,
     kl_k3,
@@ -167,3 +169,33 @@ def test_kl_k3_is_never_negative_on_policy():
     mask = torch.ones(64, 32)
     value = kl_k3(noisy, logp, mask)
     assert 0.0 <= float(value) < 1e-12
+
+
+def test_behaviour_drift_by_hand():
+    # ℓ = logp − logp_behav: seq 1 (ln 2, 0), seq 2 (0, pad), seq 3 all padding (left out of the ESS)
+    logp = torch.tensor([[LN(2.0), 0.0], [0.0, 9.0], [5.0, 5.0]], dtype=F64)
+    mask = torch.tensor([[1, 1], [1, 0], [0, 0]], dtype=F64)
+    out = behaviour_drift(logp, torch.zeros_like(logp), mask)
+    # k3 per valid token: e^ℓ − ℓ − 1 = 1 − ln 2, 0, 0 over 3 tokens
+    assert float(out["kl_k3"]) == pytest.approx((1.0 - LN(2.0)) / 3, rel=1e-12)
+    # sequence weights 2, 1: Kish ESS / N = (2 + 1)² / (2 · (4 + 1)) = 0.9
+    assert float(out["ess_frac"]) == pytest.approx(0.9, rel=1e-12)
+    same = behaviour_drift(logp, logp, mask)
+    assert float(same["kl_k3"]) == 0.0 and float(same["ess_frac"]) == pytest.approx(1.0, rel=1e-12)
+
+
+def test_correction_weights_of_each_kind_by_hand():
+    # ρ per token: seq 1 (2, 2) → Π = 4 > C = 3; seq 2 (0.5, pad) → Π = 0.5
+    logp, behav, mask = _pair([[2.0, 2.0], [0.5, 1.0]], [[1, 1], [1, 0]])
+    w, m = correction_weights("none", logp, behav, mask, cap=3.0)
+    assert torch.equal(w, mask) and torch.equal(m, mask)
+    w, m = correction_weights("token_tis", logp, behav, mask, cap=3.0)
+    torch.testing.assert_close(w, torch.tensor([[2.0, 2.0], [0.5, 0.0]], dtype=F64), rtol=1e-12, atol=0)
+    w, m = correction_weights("seq_tis", logp, behav, mask, cap=3.0)
+    torch.testing.assert_close(w, torch.tensor([[3.0, 3.0], [0.5, 0.0]], dtype=F64), rtol=1e-12, atol=0)
+    w, m = correction_weights("seq_mis", logp, behav, mask, cap=3.0)  # seq 1 rejected, mask too
+    assert w.shape == m.shape == mask.shape
+    torch.testing.assert_close(w, torch.tensor([[0.0, 0.0], [0.5, 0.0]], dtype=F64), rtol=1e-12, atol=0)
+    torch.testing.assert_close(m, torch.tensor([[0.0, 0.0], [1.0, 0.0]], dtype=F64))
+    with pytest.raises(ValueError, match="kind"):
+        correction_weights("tis", logp, behav, mask, cap=3.0)

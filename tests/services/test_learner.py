@@ -1,41 +1,73 @@
-"""The learner in-process (no Ray): gradient points per exploration, publishing, state round trip."""
+"""The learner in-process (no Ray): gradient points per exploration, PPO updates against the start-of-step
+policy, losses, the dynamic filter, LamPO's common policy, drift diagnostics, publishing, state round trip."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from threepo.algorithms.exploration import make_plan
-from threepo.services.engines.base import SamplerConfig
-from threepo.services.engines.hf import HFEngine
+from threepo.algorithms import advantages as adv_math
+from threepo.algorithms import losses
+from threepo.algorithms.exploration import make_plan, update_seed
+from threepo.algorithms.param_noise import perturbed_state
 from threepo.services.learner import Learner
 from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig
-from threepo.services.messages import (Completion, Group, NoiseSpec, SamplingParams, ScoredCompletion,
-                                       VerifyResult, VerifyStatus)
+from threepo.services.messages import Completion, Group, ScoredCompletion, VerifyResult, VerifyStatus
+from threepo.services.modeling import load_model, load_tokenizer, trainable_named_parameters
 from threepo.services.tasks import generate_items
 
 
-def _groups(engine, learner, exploration, n_slots, group_size, rewards_seed=0):
-    """Real completions from the engine at the learner's published version, with synthetic rewards."""
+def _sample(model, tokenizer, prompt: str, n: int, gen: torch.Generator, max_new_tokens: int = 10):
+    """`n` completions of `prompt` at T = 1 with their behaviour log-probs (a full forward per token)."""
+    prompt_ids = tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    ids = torch.tensor([prompt_ids] * n)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logp = torch.log_softmax(model(input_ids=ids).logits[:, -1].float(), dim=-1)
+            ids = torch.cat([ids, torch.multinomial(logp.exp(), 1, generator=gen)], dim=1)
+        logp = torch.log_softmax(model(input_ids=ids).logits[:, len(prompt_ids) - 1:-1].float(), dim=-1)
+    out = []
+    for row, lp in zip(ids[:, len(prompt_ids):].tolist(), logp):
+        cut = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+        tokens = tuple(row[:cut])
+        out.append((prompt_ids, tokens, tuple(float(lp[t, x]) for t, x in enumerate(tokens)),
+                    "stop" if cut < len(row) or row[-1] == tokenizer.eos_token_id else "length",
+                    tokenizer.decode(list(tokens))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sampler(tiny_dense_path):
+    """A tiny-model copy that samples at any published θ̂ = m + σ ⊙ z(seed) (the engines' rule)."""
+    return load_model(tiny_dense_path).eval(), load_tokenizer(tiny_dense_path)
+
+
+def _groups(sampler, learner, exploration, n_slots, group_size, rewards_seed=0):
+    """Completions sampled at the learner's published version, slot by slot, with synthetic rewards."""
+    model, tokenizer = sampler
     pv = learner.published()
-    engine.update_posterior(pv.version, pv.mean, pv.sigma)
+    mean = {n: torch.from_numpy(a) for n, a in pv.mean.items()}
+    sigma = {n: torch.from_numpy(a) for n, a in pv.sigma.items()} if pv.sigma else {}
     plan = make_plan(exploration, version=pv.version, base_seed=0, group_size=group_size, n_slots=n_slots)
     gen = torch.Generator().manual_seed(rewards_seed)
     groups = []
     for item in generate_items("arith", "train", 3, seed=1):
         by_group: dict[int, list] = {}
         for slot in plan.slots:
-            checksum = engine.serve(NoiseSpec(pv.version, slot.seed))
-            samples = engine.generate([item.prompt], SamplingParams(max_new_tokens=10, n=plan.rollouts_per_slot),
-                                      seed=slot.index)[0]
-            for j, s in enumerate(samples):
+            theta = perturbed_state(mean, sigma, slot.seed)
+            with torch.no_grad():
+                for name, p in trainable_named_parameters(model):
+                    p.copy_(theta[name])
+            for j, (prompt_ids, tokens, logprobs, finish, text) in enumerate(
+                    _sample(model, tokenizer, item.prompt, plan.rollouts_per_slot, gen)):
                 c = Completion(completion_id=f"{item.uid}/{slot.index}/{j}", request_id="r", group_id=item.uid,
                                slot=slot.index, prompt_uid=item.uid, engine_id=0, seq_no=0,
-                               policy_version=pv.version, slot_seed=slot.seed, weights_checksum=checksum,
-                               prompt_ids=s.prompt_ids, token_ids=s.token_ids, logprobs=s.logprobs,
-                               finish_reason=s.finish_reason, text=s.text)
+                               policy_version=pv.version, slot_seed=slot.seed, mean_checksum="",
+                               weights_verified=True, prompt_ids=prompt_ids, token_ids=tokens,
+                               logprobs=logprobs, finish_reason=finish, text=text)
                 reward = float(torch.rand((), generator=gen) < 0.5)
                 status = VerifyStatus.OK if reward else VerifyStatus.WRONG
                 by_group.setdefault(plan.group_of(slot.index), []).append(ScoredCompletion(c, VerifyResult(status, reward)))
@@ -43,23 +75,42 @@ def _groups(engine, learner, exploration, n_slots, group_size, rewards_seed=0):
     return groups
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_dense_path):
-    return HFEngine(tiny_dense_path, SamplerConfig())
-
-
-def _learner(path, exploration="c3po", n_slots=4, **algo):
+def _learner(path, exploration="c3po", n_slots=4, optim=None, sync=None, **algo):
     return Learner(path, AlgoConfig(exploration=exploration, n_slots=n_slots, group_size=8, **algo),
-                   OptimConfig(), SyncConfig(max_staleness=2), temperature=1.0, max_new_tokens=10)
+                   optim or OptimConfig(), sync or SyncConfig(max_staleness=2), temperature=1.0, max_new_tokens=10)
+
+
+def _train_seeds(learner) -> list:
+    """Records the seed of every IVON training sample the learner takes (sampled_params, train=True)."""
+    seen, original = [], learner.opt.sampled_params
+
+    def spy(seed, train=True):
+        if train:
+            seen.append(seed)
+        return original(seed, train)
+    learner.opt.sampled_params = spy
+    return seen
+
+
+def _rescored(group, rewards):
+    """`group` with the given rewards (1 = ok, 0 = wrong)."""
+    done = tuple(ScoredCompletion(s.completion, VerifyResult(VerifyStatus.OK if r else VerifyStatus.WRONG, float(r)))
+                 for s, r in zip(group.completions, rewards))
+    return Group(group.group_id, group.item, group.policy_version, group.published_step, done)
+
+
+def _means(learner):
+    return {n: t.clone() for n, t in learner.opt.mean_by_name().items()}
 
 
 @pytest.mark.parametrize("exploration,n_slots,points", [("c3po", 4, 1), ("m3po", 2, 2), ("b3po", 1, 1),
                                                         ("grpo", 1, 1)])
-def test_one_step_takes_the_gradient_where_the_plan_says(engine, tiny_dense_path, exploration, n_slots, points):
+def test_one_step_takes_the_gradient_where_the_plan_says(sampler, tiny_dense_path, exploration, n_slots, points):
     learner = _learner(tiny_dense_path, exploration, n_slots)
-    groups = _groups(engine, learner, exploration, n_slots, 8)
+    groups = _groups(sampler, learner, exploration, n_slots, 8)
     batch = learner._collate(groups)
-    assert len(learner._gradient_points(batch)) == points
+    (update,) = learner._updates(batch, torch.ones(len(groups), dtype=torch.bool))  # one update by default
+    assert len(update) == points
     before = {n: t.clone() for n, t in learner.opt.mean_by_name().items()}
     result = learner.step(groups)
     moved = max(float((learner.opt.mean_by_name()[n] - before[n]).abs().max()) for n in before)
@@ -71,18 +122,19 @@ def test_one_step_takes_the_gradient_where_the_plan_says(engine, tiny_dense_path
     assert learner.step(groups).publish_version == 1 and learner.version == 1
 
 
-def test_c3po_gradient_is_at_a_fresh_sample_that_changes_every_step(engine, tiny_dense_path):
+def test_c3po_gradient_is_at_a_fresh_sample_that_changes_every_step(sampler, tiny_dense_path):
     learner = _learner(tiny_dense_path)
-    batch = learner._collate(_groups(engine, learner, "c3po", 4, 8))
-    (seed0, _), = learner._gradient_points(batch)
+    batch = learner._collate(_groups(sampler, learner, "c3po", 4, 8))
+    keep = torch.ones(3, dtype=torch.bool)
+    ((seed0, _),), = learner._updates(batch, keep)
     learner.step_count += 1
-    (seed1, _), = learner._gradient_points(batch)
+    ((seed1, _),), = learner._updates(batch, keep)
     assert seed0 != seed1 and seed0 not in {c for c in batch.slot_seeds}
 
 
-def test_importance_weights_are_capped_and_infra_errors_rejected(engine, tiny_dense_path):
+def test_importance_weights_are_capped_and_infra_errors_rejected(sampler, tiny_dense_path):
     learner = _learner(tiny_dense_path, is_cap=1.5)
-    groups = _groups(engine, learner, "c3po", 4, 8)
+    groups = _groups(sampler, learner, "c3po", 4, 8)
     assert learner.step(groups).metrics["is_weight_mean"] <= 1.5
     bad = groups[0].completions[0]
     broken = ScoredCompletion(bad.completion, VerifyResult(VerifyStatus.INFRA_ERROR, float("nan")))
@@ -91,9 +143,9 @@ def test_importance_weights_are_capped_and_infra_errors_rejected(engine, tiny_de
         learner.step(poisoned)
 
 
-def test_state_round_trip_continues_identically(engine, tiny_dense_path):
+def test_state_round_trip_continues_identically(sampler, tiny_dense_path):
     a = _learner(tiny_dense_path, advantage="lampo")
-    groups = _groups(engine, a, "c3po", 4, 8)
+    groups = _groups(sampler, a, "c3po", 4, 8)
     a.step(groups)
     tensors, meta = a.state()
     b = _learner(tiny_dense_path, advantage="lampo")
@@ -104,3 +156,145 @@ def test_state_round_trip_continues_identically(engine, tiny_dense_path):
         assert ra.metrics[key] == pytest.approx(rb.metrics[key], abs=1e-7), key
     for n, t in a.opt.mean_by_name().items():
         assert torch.equal(t, b.opt.mean_by_name()[n]), n
+
+
+@pytest.mark.parametrize("exploration,n_slots", [("b3po", 1), ("m3po", 2)])
+def test_b3po_and_m3po_take_every_step_at_fresh_samples(sampler, tiny_dense_path, exploration, n_slots):
+    # IVON's Price estimate and B3PO need a new z per step: a slot's seed lives as long as its version
+    learner = _learner(tiny_dense_path, exploration, n_slots)
+    groups = _groups(sampler, learner, exploration, n_slots, 8)
+    slot_seeds = {s.completion.slot_seed for g in groups for s in g.completions}
+    seen = _train_seeds(learner)
+    learner.step(groups)
+    first = list(seen)
+    learner.step(groups)  # the same rollouts again, as a stale version's would be
+    second = seen[len(first):]
+    assert len(first) == len(second) == n_slots  # M3PO: one Monte-Carlo sample per slot group
+    assert None not in first and not (set(first) | set(second)) & slot_seeds
+    assert not set(first) & set(second)
+
+
+def test_grpo_with_ivon_takes_its_gradient_at_a_sample_so_h_keeps_an_estimate(sampler, tiny_dense_path):
+    # at the mean the Price estimate is 0 and h can only decay: h_new = β2 h + ½(1−β2)² h²/(h+δ) < h
+    learner = _learner(tiny_dense_path, "grpo", 1)
+    groups = _groups(sampler, learner, "grpo", 1, 8)
+    seen = _train_seeds(learner)
+    before = {n: t.clone() for n, t in learner.opt.hess_by_name().items()}
+    learner.step(groups)
+    assert seen and None not in seen
+    assert any(bool((learner.opt.hess_by_name()[n] > h).any()) for n, h in before.items())
+
+
+def test_one_update_per_batch_leaves_the_clip_inert(sampler, tiny_dense_path):
+    learner = _learner(tiny_dense_path, "grpo", 1, optim=OptimConfig(name="adamw", lr=3e-3))
+    result = learner.step(_groups(sampler, learner, "grpo", 1, 8))
+    assert result.metrics["updates"] == 1 and result.metrics["clip_frac"] == 0.0
+
+
+def test_mini_batches_update_against_the_start_of_step_policy_so_the_clips_act(sampler, tiny_dense_path):
+    # 3 mini-batches × 2 epochs = 6 AdamW steps; every ratio is against the policy before the first
+    learner = _learner(tiny_dense_path, "grpo", 1, optim=OptimConfig(name="adamw", lr=3e-3), mini_batches=3,
+                       ppo_epochs=2, eps_low=1e-3, eps_high=1e-3, is_correction="none")
+    groups = _groups(sampler, learner, "grpo", 1, 8)
+    result = learner.step(groups)
+    assert result.metrics["updates"] == 6 and learner.opt.state_dict()["state"][0]["step"] == 6
+    assert result.metrics["clip_frac"] > 0.1 and result.metrics["ppo_kl"] != 0.0
+
+
+def test_ivon_mini_batches_are_optimizer_steps_each_at_a_fresh_sample(sampler, tiny_dense_path):
+    learner = _learner(tiny_dense_path, "c3po", 4, mini_batches=3)
+    groups = _groups(sampler, learner, "c3po", 4, 8)
+    seen = _train_seeds(learner)
+    result = learner.step(groups)
+    assert learner.opt.param_groups[0]["step"] == 3 and len(set(seen)) == 3
+    assert seen == [update_seed(0, 0, u, 0) for u in range(3)]
+    assert result.metrics["ppo_kl"] != 0.0  # later mini-batches see ratios ≠ 1
+
+
+@pytest.mark.parametrize("loss,is_correction,key", [("decoupled_ppo", "none", "behav_mask_frac"),
+                                                    ("kl_cov", "seq_tis", "kl_cov_frac")])
+def test_decoupled_ppo_and_kl_cov_are_reachable(sampler, tiny_dense_path, loss, is_correction, key):
+    extra = {"kl_cov_ratio": 0.2} if loss == "kl_cov" else {}
+    learner = _learner(tiny_dense_path, "c3po", 4, loss=loss, is_correction=is_correction, mini_batches=2, **extra)
+    result = learner.step(_groups(sampler, learner, "c3po", 4, 8))
+    assert key in result.metrics and all(math.isfinite(v) for v in result.metrics.values())
+    if loss == "kl_cov":
+        assert result.metrics["kl_cov_frac"] == pytest.approx(0.2, abs=0.02) and result.metrics["ppo_kl_abs"] > 0
+
+
+@pytest.mark.parametrize("overrides,word", [
+    (dict(loss="decoupled_ppo"), "algo.is_correction"),
+    (dict(eps_high=0.28), "algo.eps_high"),  # one update per batch: the ratio is 1, the clip never acts
+    (dict(dual_clip_c=3.0), "algo.dual_clip_c"),
+    (dict(kl_cov_ratio=0.2), "algo.kl_cov_ratio"),
+    (dict(loss="kl_cov", mini_batches=2, eps_high=0.28), "algo.eps_high"),
+    (dict(mini_batches=0), "algo.mini_batches"),
+    (dict(ppo_epochs=0), "algo.ppo_epochs"),
+    (dict(loss="trpo"), "algo.loss"),
+])
+def test_algo_config_rejects_knobs_that_would_do_nothing(overrides, word):
+    with pytest.raises(ValueError, match=word):
+        AlgoConfig(**overrides)
+    AlgoConfig(eps_high=0.28, dual_clip_c=3.0, mini_batches=2)  # with two updates they act
+
+
+def test_dynamic_filter_leaves_equal_reward_groups_out_of_the_update(sampler, tiny_dense_path):
+    base = _learner(tiny_dense_path)
+    raw = _groups(sampler, base, "c3po", 4, 8)
+    live = [_rescored(raw[0], [1, 0] * 4), _rescored(raw[1], [0, 0, 1, 0, 0, 0, 0, 1])]
+    dead = _rescored(raw[2], [0] * 8)
+    filtered = _learner(tiny_dense_path, dynamic_filter=True)
+    rf = filtered.step(live + [dead])
+    plain = _learner(tiny_dense_path)
+    rp = plain.step(live)
+    assert rf.metrics["filtered_groups"] == 1 and rp.metrics["filtered_groups"] == 0
+    assert rf.metrics["zero_adv_frac"] == pytest.approx(1 / 3)  # measured before filtering
+    for n, t in _means(plain).items():  # a dead group adds nothing, not even to the loss denominator
+        torch.testing.assert_close(_means(filtered)[n], t, rtol=0, atol=1e-7)
+    idle = _learner(tiny_dense_path, dynamic_filter=True)
+    before = _means(idle)
+    r = idle.step([dead])
+    assert r.metrics["filtered_groups"] == 1 and r.metrics["updates"] == 0 and r.step == 1
+    assert all(torch.equal(t, before[n]) for n, t in _means(idle).items())
+
+
+def test_lampo_compares_sequences_under_one_recomputed_policy(sampler, tiny_dense_path):
+    a = _learner(tiny_dense_path, advantage="lampo")
+    groups = _groups(sampler, a, "c3po", 4, 8)
+    # the behaviour log-probs of slot 0 (one of N different policies) shifted: Δs must not see it
+    shifted = [Group(g.group_id, g.item, g.policy_version, g.published_step, tuple(
+        ScoredCompletion(dataclasses.replace(s.completion, logprobs=tuple(x - 3.0 for x in s.completion.logprobs)), s.result)
+        if s.completion.slot == 0 else s for s in g.completions)) for g in groups]
+    b = _learner(tiny_dense_path, advantage="lampo")
+    ra, rb = a.step(groups), b.step(shifted)
+    assert ra.metrics["advantage_mean"] == pytest.approx(rb.metrics["advantage_mean"], abs=1e-9)
+    # ... and equal what the learner's forward at the step's gradient point gives
+    c = _learner(tiny_dense_path, advantage="lampo")
+    batch = c._collate(groups)
+    with torch.no_grad(), c.opt.sampled_params(update_seed(0, 0, 0, 0), train=False):
+        logits = c.model(input_ids=batch.input_ids, attention_mask=batch.attn).logits[:, :-1]
+    seq = adv_math.sequence_logprob(losses.token_logprobs(logits, batch.targets, 1.0), batch.mask, "sum")
+    rewards = c._rewards(batch, groups)
+    expected = adv_math.lampo_advantages(rewards, seq.view_as(rewards), tau=c.algo.lampo_tau)
+    assert ra.metrics["advantage_mean"] == pytest.approx(float(expected.mean()), abs=1e-5)
+
+
+def test_sync_budget_measures_drift_not_the_noise_between_slots(sampler, tiny_dense_path):
+    # σ = 1/sqrt(λ(h0+δ)) ≈ 0.1: the slots differ a lot from θ̂′, but the mean has not moved yet
+    learner = _learner(tiny_dense_path, optim=OptimConfig(ess=1e3), sync=SyncConfig(kappa=1e-3, eta=0.5, max_staleness=4))
+    groups = _groups(sampler, learner, "c3po", 4, 8)
+    first = learner.step(groups)
+    m = first.metrics
+    assert m["kl_k3"] > 1e-2 and m["ess_frac"] < 0.9       # behaviour → gradient point: noise and drift
+    assert m["kl_k3_drift"] < 1e-5 and m["ess_frac_drift"] > 0.999  # same slot rebuilt from today's mean
+    assert first.publish_version is None
+    second = learner.step(groups)  # the mean moved: now there is drift
+    assert second.metrics["kl_k3_drift"] > m["kl_k3_drift"]
+
+
+@pytest.mark.parametrize("is_correction", ["none", "token_tis", "seq_tis", "seq_mis"])
+def test_every_correction_takes_a_step(sampler, tiny_dense_path, is_correction):
+    # seq_mis broadcast its keep mask to [B, B, T] before (the loss then failed its shape check)
+    learner = _learner(tiny_dense_path, is_correction=is_correction)
+    result = learner.step(_groups(sampler, learner, "c3po", 4, 8))
+    assert result.metrics["updates"] == 1 and math.isfinite(result.metrics["loss"])

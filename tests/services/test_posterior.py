@@ -30,7 +30,7 @@ def test_publish_makes_the_plan_of_each_kind(kind, n_slots, expect_slots, expect
     assert len(plan.slots) == expect_slots and plan.groups_per_prompt == expect_groups
     seeds = [s.seed for s in plan.slots]
     assert (seeds == [None]) if kind == "grpo" else (len(set(seeds)) == n_slots and None not in seeds)
-    assert (plan.gradient_seed is not None) == (kind == "c3po")
+    assert (plan.gradient_seed is not None) == (kind != "grpo")
     # a new version draws new seeds; the same config in a fresh server draws the same ones
     other = PosteriorServer(PosteriorConfig(kind=kind, group_size=8, n_slots=n_slots, base_seed=5))
     assert other.publish(_pv(1)) == plan
