@@ -1,9 +1,12 @@
 """The sync budget: when the learner publishes a new policy version (algorithms.md §3.7,
 architecture.md "Learner").
 
-After every optimizer step the learner measures, on its latest batch, how far the behaviour policy
-μ (the version the samplers serve) is from its current policy π_θ: the k3 KL estimate and the Kish
-ESS fraction of the sequence importance weights (off_policy.py). It publishes when any of
+After every step the learner measures, on its latest batch, how far the behaviour policy μ (the
+version the samplers serve) is from its current policy: the k3 KL estimate and the Kish ESS
+fraction of the sequence importance weights (`off_policy.behaviour_drift`). Under parameter noise
+"its current policy" is each rollout's own slot rebuilt from the current posterior, m + σ ⊙ z(seed):
+against a fresh θ̂′ the measure would fire on the exploration noise between slots, which no publish
+removes. It publishes when any of
 
     KL̂ > κ      ESS_frac < η      steps_since_sync ≥ S_max
 

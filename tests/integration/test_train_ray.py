@@ -38,7 +38,8 @@ ALGORITHMS = {
     "m3po": ["algo.exploration=m3po", "algo.n_slots=2"],
     "c3po_lampo": ["algo.exploration=c3po", "algo.n_slots=4", "algo.advantage=lampo", "algo.kl_coef=1e-3"],
     "entropy_bonus_temperature": ["algo.exploration=grpo", "algo.n_slots=1", "optim.name=adamw",
-                                  "algo.entropy_coef=5e-3", "sampler.temperature=1.3", "algo.eps_high=0.28"],
+                                  "algo.entropy_coef=5e-3", "sampler.temperature=1.3", "algo.eps_high=0.28",
+                                  "algo.mini_batches=2"],
 }
 
 
