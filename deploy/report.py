@@ -8,6 +8,12 @@ rate, staleness (mean and max), sync events as vertical markers coloured by reas
 per engine (every `tokens_per_s/<engine>` key). `report.png` puts them all on one grid and
 `report.md` lists them with a first-vs-last table of every numeric key.
 
+A dense series (a value on at least half the records) of 40 points or more is drawn faint as
+recorded, with a centred moving average over ±len/40 points on top in the same colour. A sparse
+series (held-out evaluations every few steps) is drawn as points; held-out pass@1 points carry
+their binomial standard error sqrt(p(1 − p)/n) when the record has `heldout_n` (the number of
+items evaluated), and plain points without it.
+
 matplotlib is used through its object API on the Agg canvas, so no pyplot state or display is
 touched and importing this module costs nothing.
 """
@@ -30,6 +36,8 @@ LINE_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("staleness", "Staleness (learner steps)", ("staleness_mean", "staleness_max")),
 )
 TOKENS_PREFIX = "tokens_per_s/"
+HELDOUT_N = "heldout_n"  # items behind a record's held-out pass@1 (one sample each)
+POINTS_PER_HALF_WINDOW = 40  # smoothing half-width = len(series) // this (0: not smoothed)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -58,13 +66,55 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[
     return [p[0] for p in points], [p[1] for p in points]
 
 
+def smoothed(values: list[float], half_width: int) -> list[float]:
+    """Centred moving average: value i becomes the mean of values[i − h .. i + h], the window cut
+    at both ends (no lag, no padding); h = 0 returns the values unchanged."""
+    out = []
+    for i in range(len(values)):
+        window = values[max(0, i - half_width): i + half_width + 1]
+        out.append(sum(window) / len(window))
+    return out
+
+
+def _heldout_se(record: dict[str, Any], p: float) -> float | None:
+    """Binomial standard error of a held-out pass@1 over the record's `heldout_n` items, if known."""
+    n = record.get(HELDOUT_N)
+    if not isinstance(n, int | float) or isinstance(n, bool) or n <= 0:
+        return None
+    return math.sqrt(max(p * (1.0 - p), 0.0) / n)
+
+
+def _points(ax: Any, records: list[dict[str, Any]], key: str, label: str) -> None:
+    """A sparse series as points; held-out ones with ±1 standard error where n is recorded."""
+    rows = [(_x(records, i), r[key], _heldout_se(r, r[key]) if key.startswith("heldout_") else None)
+            for i, r in enumerate(records) if isinstance(r.get(key), int | float) and not isinstance(r.get(key), bool)]
+    known = [row for row in rows if row[2] is not None]
+    colour = None
+    if known:
+        bars = ax.errorbar([x for x, _, _ in known], [y for _, y, _ in known], yerr=[e for _, _, e in known],
+                           fmt="o-", markersize=4, capsize=3, label=f"{label} (±1 s.e.)")
+        colour = bars.lines[0].get_color()
+    unknown = [row for row in rows if row[2] is None]
+    if unknown:
+        ax.plot([x for x, _, _ in unknown], [y for _, y, _ in unknown], "o", markersize=4, color=colour,
+                label=None if known else label)
+
+
 def _line_panel(records: list[dict[str, Any]], keys: tuple[str, ...]) -> Callable[[Any], None]:
     def draw(ax: Any) -> None:
         for key in keys:
             xs, ys = _series(records, key)
-            if xs:
-                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3,
-                        label=key.removeprefix(TOKENS_PREFIX))
+            label = key.removeprefix(TOKENS_PREFIX)
+            half = len(xs) // POINTS_PER_HALF_WINDOW
+            if not xs:
+                continue
+            if 2 * len(xs) < len(records):
+                _points(ax, records, key, label)
+            elif half:
+                (raw,) = ax.plot(xs, ys, linewidth=0.8, alpha=0.3)
+                ax.plot(xs, smoothed(ys, half), color=raw.get_color(), label=label)
+            else:
+                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
         if len(keys) > 1:
             ax.legend(fontsize="small")
     return draw
@@ -160,6 +210,12 @@ def _markdown(records: list[dict[str, Any]], panels: list, xlabel: str) -> str:
         lines[-1] += f", {xlabel}s {records[0]['step']} to {records[-1]['step']}"
     syncs = sum(1 for r in records if r.get("sync_event"))
     lines[-1] += f", {syncs} sync events." if any("sync_event" in r for r in records) else "."
+    heldout = [(i, r) for i, r in enumerate(records) if isinstance(r.get("heldout_pass1"), int | float)]
+    if heldout:
+        i, r = heldout[-1]
+        p, se = r["heldout_pass1"], _heldout_se(r, r["heldout_pass1"])
+        spread = f" ± {se:.3f} (n = {r[HELDOUT_N]:g})" if se is not None else " (n not recorded)"
+        lines += ["", f"Last held-out pass@1 at {xlabel.split()[-1]} {_x(records, i):g}: {p:.3f}{spread}."]
     lines += ["", "| metric | first | last |", "|---|---|---|"]
     for key in numeric:
         _, ys = _series(records, key)

@@ -70,3 +70,53 @@ def test_no_plottable_keys_and_bad_input(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="no records to report"):
         make_report(tmp_path)
+
+
+def _draw(records, stem):
+    from threepo.deploy.report import _figure, _panels
+
+    (draw,) = [d for s, _, d in _panels(records) if s == stem]
+    ax = _figure(1, 1, 4.0, 3.0).add_subplot()
+    draw(ax)
+    return ax
+
+
+def test_smoothing_is_a_centred_moving_average_cut_at_the_ends():
+    from threepo.deploy.report import smoothed
+
+    assert smoothed([0.0, 3.0, 6.0, 9.0], 1) == [1.5, 3.0, 6.0, 7.5]
+    assert smoothed([1.0, 5.0, 2.0], 0) == [1.0, 5.0, 2.0]
+    assert smoothed([2.0, 4.0, 9.0], 5) == [5.0, 5.0, 5.0]
+
+
+def test_dense_curves_are_smoothed_over_their_faint_raw_values(tmp_path):
+    from threepo.deploy.report import smoothed
+
+    records = _records(200)
+    ax = _draw(records, "reward")
+    raw, smooth = ax.lines
+    ys = [r["reward_mean"] for r in records]
+    assert list(raw.get_ydata()) == ys and raw.get_alpha() < 0.5
+    assert list(smooth.get_ydata()) == pytest.approx(smoothed(ys, 200 // 40))
+    assert smooth.get_alpha() in (None, 1.0) and smooth.get_color() == raw.get_color()
+
+
+def test_heldout_points_carry_their_standard_error_when_n_is_known(tmp_path):
+    records = _records(40)
+    for r in records:
+        if r["heldout_pass1"] is not None and r["step"] >= 20:
+            r["heldout_n"] = 256  # older rows (steps 0, 10) have no n: points without bars
+    ax = _draw(records, "heldout_pass1")
+    (bars,) = ax.containers
+    segments = bars.lines[2][0].get_segments()
+    for (x, lo), (_, hi) in segments:
+        p = 0.25 + x / 200
+        se = math.sqrt(p * (1 - p) / 256)
+        assert (lo, hi) == pytest.approx((p - se, p + se))
+    assert sorted(x for (x, _), _ in segments) == [20, 30]
+    plain = [line for line in ax.lines if line not in bars.lines[0:1]]
+    assert any(list(line.get_xdata()) == [0, 10] for line in plain)
+    _write(tmp_path, records)
+    make_report(tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "Last held-out pass@1 at step 30: 0.400 ± 0.031 (n = 256)." in md
