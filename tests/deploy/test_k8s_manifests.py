@@ -278,6 +278,14 @@ def test_rayjob_verifier_overrides_are_valid_config():
             "code rows go to the sandbox service, not to bubblewrap in the verifier pods"
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_the_rayjob_is_labelled_run(overlay):
+    """The README applies everything but the run first (`-l 'app.kubernetes.io/component!=run'`)."""
+    labelled = [(o["kind"], o["metadata"]["name"]) for o in render(overlay)
+                if o["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "run"]
+    assert labelled == [("RayJob", "threepo-train")]
+
+
 @pytest.mark.parametrize("overlay", [o for o in OVERLAYS if o.endswith("-resume")])
 def test_resume_overlay_is_its_overlay_plus_resume_auto(overlay):
     fresh, resumed = render(overlay.removesuffix("-resume")), render(overlay)
