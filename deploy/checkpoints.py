@@ -15,13 +15,15 @@ import json
 import os
 
 import numpy as np
-import ray
 
 from threepo.services import checkpoint as ckpt
+from threepo.services.errors import MissingPathError
 
 
 def save(s, run_dir: str) -> str:
     """Checkpoint the learner, the posterior server and the driver state of loop `s`."""
+    import ray
+
     tensors, learner_meta = ray.get(s.roles.learner.state.remote())
     posterior = ray.get(s.roles.posterior.state.remote())
     post_tensors, post_meta = _split_posterior(posterior)
@@ -68,6 +70,8 @@ def load(path: str) -> dict:
 
 def restore_driver(s, saved: dict) -> None:
     """Put loop `s` (freshly started roles) back where the checkpoint left it."""
+    import ray
+
     ray.get(s.roles.learner.load_state.remote(saved["learner_tensors"], saved["learner_meta"]))
     d = saved["driver"]
     s.step, s.next_index, s.version = d["step"], d["next_index"], d["version"]
@@ -84,15 +88,19 @@ def restore_driver(s, saved: dict) -> None:
 def latest(run_dir: str) -> str:
     found = ckpt.latest_checkpoint(os.path.join(run_dir, "checkpoints"))
     if found is None:
-        raise FileNotFoundError(f"{run_dir}: no complete checkpoint under checkpoints/ to resume from")
+        raise MissingPathError(f"{run_dir}: no complete checkpoint under checkpoints/ to resume from")
     return str(found)
 
 
 def find_run_dir(resume: str, args) -> str:
-    """`--resume DIR` or `--resume auto` (the newest train run of the configured name with a checkpoint)."""
+    """`--resume DIR` or `--resume auto` (the newest train run of the configured name with a checkpoint);
+    a directory that is not a resumable run is a one-line `MissingPathError`."""
     if resume != "auto":
+        if not os.path.isdir(resume):
+            raise MissingPathError(f"--resume {resume}: no such directory; expected a train run directory")
         if not os.path.isfile(os.path.join(resume, "config.toml")):
-            raise FileNotFoundError(f"--resume {resume}: expected a run directory containing config.toml")
+            raise MissingPathError(f"--resume {resume}: no config.toml; expected a train run directory")
+        latest(resume)  # a run without a checkpoint cannot be resumed: say so before starting anything
         return resume
     from threepo.deploy.config import load_config
 
@@ -100,7 +108,8 @@ def find_run_dir(resume: str, args) -> str:
     runs = sorted(glob.glob(os.path.join(cfg.runs_dir, f"{cfg.name}-train-*")), key=os.path.getmtime)
     runs = [r for r in runs if ckpt.latest_checkpoint(os.path.join(r, "checkpoints")) is not None]
     if not runs:
-        raise FileNotFoundError(f"--resume auto: no run of name {cfg.name!r} with a checkpoint in {cfg.runs_dir}")
+        raise MissingPathError(f"--resume auto: no run of name {cfg.name!r} with a checkpoint in {cfg.runs_dir}; "
+                               "expected a previous `threepo train` run (name=..., runs_dir=...)")
     return runs[-1]
 
 

@@ -3,11 +3,18 @@
 Every subcommand takes `--config RECIPE` (a TOML file or a shipped recipe name) and overrides
 `section.field=value`; `threepo <cmd> --show-config` prints the resolved config and exits. Heavy
 imports happen inside the subcommands so that `threepo --help` stays instant.
+
+Errors: a user mistake (`UserInputError`: a config key, a path, a dataset line) is one line naming
+it and what was expected, exit 2, checked before anything heavy is imported or any run directory is
+made; a bootstrap that misses its target is one line, exit 1. `--debug` shows the traceback
+instead. A command that fails leaves no run directory holding nothing but its config.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
 
@@ -28,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("--config", default=None, help="recipe: a TOML file or a name in deploy/configs")
         p.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
+        p.add_argument("--debug", action="store_true", help="show the traceback of an input error")
         p.add_argument("overrides", nargs="*", help="section.field=value overrides")
         if name == "train":
             p.add_argument("--resume", nargs="?", const="auto", default=None,
@@ -35,34 +43,83 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from threepo.deploy.config import ConfigError
+    from threepo.services.bootstrap import BootstrapFailed
+    from threepo.services.errors import UserInputError
 
     try:
         return _dispatch(args)
-    except ConfigError as err:
-        print(f"threepo {args.command}: config error: {err}", file=sys.stderr)
-        return 2
+    except (UserInputError, BootstrapFailed) as err:
+        if args.debug:
+            raise
+        kind = "config error: " if isinstance(err, ConfigError) else ""
+        print(f"threepo {args.command}: {kind}{err}", file=sys.stderr)
+        return 2 if isinstance(err, UserInputError) else 1
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    if args.command == "train":
-        from threepo.deploy.run import main_train
-
-        return main_train(args)
     from threepo.deploy.config import load_config, to_toml
 
-    cfg = load_config(args.config, args.overrides)
+    resume_dir = None
+    if args.command == "train" and args.resume and "=" in args.resume and not os.path.exists(args.resume):
+        args.overrides, args.resume = [args.resume, *args.overrides], "auto"  # `--resume key=value`
+    if args.command == "train" and args.resume:
+        from threepo.deploy.checkpoints import find_run_dir
+
+        resume_dir = find_run_dir(args.resume, args)
+        cfg = load_config(os.path.join(resume_dir, "config.toml"), args.overrides)
+    else:
+        cfg = load_config(args.config, args.overrides)
     if args.show_config:
         print(to_toml(cfg))
         return 0
-    run_dir = make_run_dir(cfg, args.command)
-    return {"bootstrap": cmd_bootstrap, "eval": cmd_eval}[args.command](cfg, run_dir)
+    check_inputs(cfg)
+    if args.command == "train":
+        from threepo.deploy.run import main_train  # Ray and the roles: only once the input is known good
+
+        return main_train(args, cfg, resume_dir)
+    path = policy_path(cfg) if args.command == "eval" else None
+    with run_directory(cfg, args.command) as run_dir:
+        return cmd_eval(cfg, run_dir, path) if path else cmd_bootstrap(cfg, run_dir)
+
+
+def check_inputs(cfg) -> None:
+    """Check every path the config names (model, datasets) before anything starts; raises
+    `UserInputError` naming the key, the file and the line."""
+    from threepo.services.datasets import load_dataset
+    from threepo.services.errors import UserInputError
+    from threepo.services.modeling import check_checkpoint_dir
+
+    if cfg.model.path:
+        check_checkpoint_dir(cfg.model.path)
+    if cfg.data.heldout_path and not cfg.data.path:
+        raise UserInputError("data.heldout_path is set but data.path is not; expected both, or only data.path")
+    for key, path in (("data.path", cfg.data.path), ("data.heldout_path", cfg.data.heldout_path)):
+        if path:
+            try:
+                load_dataset(path)
+            except UserInputError as err:
+                raise type(err)(f"{key}: {err}") from None
+
+
+@contextlib.contextmanager
+def run_directory(cfg, command: str):
+    """`make_run_dir`, removed again if the command fails before writing anything but its config."""
+    import shutil
+
+    run_dir = make_run_dir(cfg, command)
+    try:
+        yield run_dir
+    except BaseException:
+        written = [os.path.join(root, f) for root, _, files in os.walk(run_dir) for f in files]
+        if all(os.path.basename(f) == "config.toml" or os.path.getsize(f) == 0 for f in written):
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
 
 
 def make_run_dir(cfg, command: str) -> str:
     """A fresh run directory holding the resolved config."""
-    import os
-
     from threepo.deploy.config import to_toml
+    from threepo.services.errors import UserInputError
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = os.path.join(cfg.runs_dir, f"{cfg.name}-{command}-{stamp}")
@@ -70,7 +127,11 @@ def make_run_dir(cfg, command: str) -> str:
     while os.path.exists(run_dir + (f"-{suffix}" if suffix else "")):
         suffix += 1
     run_dir += f"-{suffix}" if suffix else ""
-    os.makedirs(run_dir)
+    try:
+        os.makedirs(run_dir)
+    except OSError as err:
+        raise UserInputError(f"runs_dir={cfg.runs_dir!r}: cannot make the run directory {run_dir} "
+                             f"({err.strerror}); expected a writable directory") from None
     with open(os.path.join(run_dir, "config.toml"), "w") as f:
         f.write(to_toml(cfg))
     return run_dir
@@ -80,40 +141,35 @@ def policy_path(cfg) -> str:
     """The checkpoint to serve: `model.path`, or the (cached) bootstrapped embedded default."""
     if cfg.model.path:
         return cfg.model.path
-    from threepo.services.bootstrap import ensure_bootstrapped
+    from threepo.services.bootstrap import BootstrapFailed, ensure_bootstrapped
 
     result = ensure_bootstrapped(cfg.model, cfg.task, cfg.bootstrap)
     if not result.reached_target:
-        raise SystemExit(f"bootstrap did not reach held-out pass@1 {cfg.bootstrap.target_pass1} in "
-                         f"{cfg.bootstrap.max_seconds:.0f}s (got {result.heldout_pass1:.3f}); raise "
-                         "bootstrap.max_seconds or lower bootstrap.target_pass1")
+        raise BootstrapFailed(result.failure(cfg.bootstrap))
     return result.path
 
 
 def cmd_bootstrap(cfg, run_dir: str) -> int:
     import json
-    import os
 
     from threepo.services.bootstrap import ensure_bootstrapped
 
     result = ensure_bootstrapped(cfg.model, cfg.task, cfg.bootstrap)
     with open(os.path.join(run_dir, "bootstrap.json"), "w") as f:
         json.dump(result.__dict__, f, indent=2)
-    state = "reused cached" if result.cached else f"trained in {result.seconds:.0f}s ({result.steps} steps),"
+    state = "reused cached" if result.cached else f"trained {result.steps} steps in {result.seconds:.0f}s,"
     print(f"bootstrap: {state} checkpoint {result.path}")
     print(f"bootstrap: held-out pass@1 at T=1 during warm start: {result.heldout_pass1:.3f}")
     if not result.reached_target:
-        print(f"bootstrap: target {cfg.bootstrap.target_pass1} not reached; checkpoint not cached",
-              file=sys.stderr)
+        print(f"threepo bootstrap: {result.failure(cfg.bootstrap)} (checkpoint not cached)", file=sys.stderr)
         return 1
     return 0
 
 
-def cmd_eval(cfg, run_dir: str) -> int:
+def cmd_eval(cfg, run_dir: str, path: str) -> int:
     import json
-    import os
 
-    report = evaluate_policy(cfg, policy_path(cfg), label="eval")
+    report = evaluate_policy(cfg, path, label="eval")
     print(f"eval: {report.summary()}")
     with open(os.path.join(run_dir, "eval.json"), "w") as f:
         json.dump(report.__dict__, f, indent=2)

@@ -22,10 +22,10 @@ from typing import Any, Literal
 
 from threepo.services.bootstrap import BootstrapConfig
 from threepo.services.engines.base import SamplerConfig
+from threepo.services.errors import UserInputError
 from threepo.services.evaluation import EvalConfig
-from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig
+from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig, VP2OConfig
 from threepo.services.modeling import ModelConfig
-from threepo.services.vp2o_hooks import VP2OConfig
 from threepo.services.tasks import TaskConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
@@ -121,7 +121,7 @@ class RunConfig:
         check_combination(self.algo, self.optim, self.model.kind)
 
 
-class ConfigError(ValueError):
+class ConfigError(UserInputError):
     """A recipe or override that does not fit the schema; the message names the key."""
 
 

@@ -324,25 +324,27 @@ def train_items(cfg: RunConfig) -> list:
     return generate_items(cfg.task.family, "train", 4096, seed=cfg.task.seed, difficulty=cfg.task.difficulty)
 
 
-def main_train(args) -> int:
-    """`threepo train`: evaluate, run, evaluate again, report."""
-    from threepo.deploy import checkpoints
-    from threepo.deploy.cli import evaluate_policy, make_run_dir, policy_path
-    from threepo.deploy.config import load_config, to_toml
+def main_train(args, cfg: RunConfig, resume_dir: str | None) -> int:
+    """`threepo train` on a checked config (deploy/cli.py): evaluate, run, evaluate again, report.
+    A fresh run directory is made only once the policy exists, and removed if the run fails before
+    writing anything; a resumed run keeps its own."""
+    import contextlib
 
-    if args.resume:
-        run_dir = checkpoints.find_run_dir(args.resume, args)
-        cfg = load_config(os.path.join(run_dir, "config.toml"), args.overrides)
-    else:
-        cfg = load_config(args.config, args.overrides)
-        if args.show_config:
-            print(to_toml(cfg))
-            return 0
-        run_dir = make_run_dir(cfg, "train")
+    from threepo.deploy import checkpoints
+    from threepo.deploy.cli import policy_path, run_directory
+
     path = policy_path(cfg)
+    resume_from = checkpoints.latest(resume_dir) if resume_dir else None
+    with contextlib.nullcontext(resume_dir) if resume_dir else run_directory(cfg, "train") as run_dir:
+        return _train_and_report(cfg, run_dir, path, resume_from)
+
+
+def _train_and_report(cfg: RunConfig, run_dir: str, path: str, resume_from: str | None) -> int:
+    from threepo.deploy.cli import evaluate_policy
+
     print(f"train: run directory {run_dir}")
     before = evaluate_policy(cfg, path, label="held-out before")
-    summary = train(cfg, run_dir, path, resume_from=checkpoints.latest(run_dir) if args.resume else None)
+    summary = train(cfg, run_dir, path, resume_from=resume_from)
     after = evaluate_policy(cfg, summary["final_checkpoint"], label="held-out after")
     print(f"train: held-out before: {before.summary()}")
     print(f"train: held-out after:  {after.summary()}")

@@ -5,6 +5,14 @@ fresh train-split problems (loss on the completion `\\boxed{answer}<eos>` only) 
 pass@1 when sampling at temperature 1 reaches `target_pass1`: a policy RL can still improve, which
 produces mixed groups. The result is an HF checkpoint (safetensors + tokenizer + `bootstrap.json`)
 in a cache directory keyed by every setting that changes it, so later runs reuse it.
+
+Bounded by steps, not time: the held-out check runs every `eval_every` steps and training stops at
+the first check that reaches the target, or after `max_steps`. Batches, initialisation and the
+held-out samples are all seeded, so a recipe gives the same checkpoint on a busy machine as on a
+quiet one (same torch build and `threads`; a different CPU instruction set may round differently).
+A recipe that misses its target within `max_steps` misses it everywhere: the result says so and is
+not cached. `max_seconds` is only a safety net against a machine far slower than any expected; when
+it fires the result says that, too.
 """
 
 from __future__ import annotations
@@ -30,8 +38,10 @@ class BootstrapConfig:
 
     target_pass1: float = 0.4
     """Stop once held-out pass@1 (T=1) reaches this; must lie in (0.2, 0.8) to leave RL room."""
-    max_seconds: float = 280.0
-    """Give up (and do not cache) if the target is not reached by then."""
+    max_steps: int = 3000
+    """Step budget: give up (and do not cache) if the target is not reached after this many steps."""
+    max_seconds: float = 14400.0
+    """Wall-clock safety net only (the step budget decides): stop, uncached, after this long."""
     lr: float = 3e-3
     """AdamW peak learning rate (constant after warm-up)."""
     warmup_steps: int = 100
@@ -56,8 +66,14 @@ class BootstrapConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.target_pass1 < 1.0:
             raise ValueError(f"bootstrap.target_pass1: expected in (0, 1), got {self.target_pass1}")
-        if self.max_seconds <= 0 or self.batch_size < 1 or self.eval_every < 1:
-            raise ValueError("bootstrap.max_seconds, batch_size and eval_every: expected positive values")
+        for name in ("max_steps", "max_seconds", "batch_size", "eval_every", "eval_items", "threads"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"bootstrap.{name}: expected > 0, got {getattr(self, name)}")
+
+
+class BootstrapFailed(RuntimeError):
+    """The embedded default could not be bootstrapped; the message (`BootstrapResult.failure`)
+    says why and what to change. `threepo` prints it as one line and exits 1."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,21 @@ class BootstrapResult:
     steps: int
     reached_target: bool
     cached: bool
+    stopped_by: str = "target"
+    """What ended training: "target", "max_steps" (the recipe misses its target) or "max_seconds"."""
+
+    def failure(self, cfg: BootstrapConfig) -> str:
+        """One line on why the target was missed and what to change ("" when it was reached)."""
+        if self.reached_target:
+            return ""
+        got = f"held-out pass@1 {self.heldout_pass1:.3f} < bootstrap.target_pass1 {cfg.target_pass1}"
+        if self.stopped_by == "max_seconds":
+            return (f"bootstrap stopped by its wall-clock safety net (bootstrap.max_seconds="
+                    f"{cfg.max_seconds:g}) at step {self.steps} of {cfg.max_steps} with {got}: this "
+                    "machine is far slower than expected; raise bootstrap.max_seconds")
+        return (f"bootstrap used its whole step budget (bootstrap.max_steps={cfg.max_steps}) with {got}; "
+                "this recipe misses its target on every machine: raise bootstrap.max_steps or lower "
+                "bootstrap.target_pass1")
 
 
 def cache_root(cfg: BootstrapConfig) -> str:
@@ -75,9 +106,11 @@ def cache_root(cfg: BootstrapConfig) -> str:
 
 
 def checkpoint_dir(model_cfg: ModelConfig, task_cfg: TaskConfig, cfg: BootstrapConfig) -> str:
-    """Cache path keyed by everything that changes the checkpoint — not threads, cache_dir or the time
-    limit (only a run that reached the target is cached, and the limit does not change where it stops)."""
-    recipe = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("threads", "cache_dir", "max_seconds")}
+    """Cache path keyed by the recipe: everything that changes the checkpoint, never the machine. Not
+    threads or cache_dir, and not the budgets: only a run that reached the target is cached, and it
+    stops at the first held-out check that reaches it whatever max_steps or max_seconds allowed."""
+    recipe = {k: v for k, v in dataclasses.asdict(cfg).items()
+              if k not in ("threads", "cache_dir", "max_seconds", "max_steps")}
     key = json.dumps([FORMAT, dataclasses.asdict(model_cfg), dataclasses.asdict(task_cfg), recipe], sort_keys=True)
     digest = hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
     return os.path.join(cache_root(cfg), "models", f"{model_cfg.kind}-{task_cfg.family}-{digest}")
@@ -97,8 +130,8 @@ def ensure_bootstrapped(model_cfg: ModelConfig, task_cfg: TaskConfig, cfg: Boots
 
 def bootstrap(model_cfg: ModelConfig, task_cfg: TaskConfig, cfg: BootstrapConfig, *, out_dir: str,
               progress: bool = True) -> BootstrapResult:
-    """Train until held-out pass@1 ≥ target (or max_seconds); save atomically to `out_dir` only if
-    the target was reached (a failed warm start must not be cached and silently reused)."""
+    """Train until held-out pass@1 ≥ target (or the step budget, or the safety net); save atomically
+    to `out_dir` only if the target was reached (a failed warm start must not be cached and reused)."""
     import torch
 
     from threepo.services.tokenizer import build_tokenizer
@@ -110,17 +143,17 @@ def bootstrap(model_cfg: ModelConfig, task_cfg: TaskConfig, cfg: BootstrapConfig
     model = build_model(model_cfg, vocab_size=vocab_size, pad_id=tokenizer.pad_token_id,
                         eos_id=tokenizer.eos_token_id, seed=cfg.seed)
     started = time.monotonic()
-    steps, pass1 = _train(model, tokenizer, task_cfg, cfg, progress=progress)
+    steps, pass1, stopped_by = _train(model, tokenizer, task_cfg, cfg, progress=progress)
     seconds = time.monotonic() - started
     reached = pass1 >= cfg.target_pass1
     report = {"heldout_pass1": pass1, "seconds": round(seconds, 1), "steps": steps,
-              "target_pass1": cfg.target_pass1, "task": dataclasses.asdict(task_cfg),
+              "target_pass1": cfg.target_pass1, "stopped_by": stopped_by, "task": dataclasses.asdict(task_cfg),
               "model": dataclasses.asdict(model_cfg)}
     if not reached:
         out_dir = tempfile.mkdtemp(prefix="threepo-bootstrap-failed-")
     _save_atomically(model, tokenizer, report, out_dir)
     return BootstrapResult(path=out_dir, heldout_pass1=pass1, seconds=seconds, steps=steps,
-                           reached_target=reached, cached=False)
+                           reached_target=reached, cached=False, stopped_by=stopped_by)
 
 
 def _save_atomically(model, tokenizer, report: dict, out_dir: str) -> None:
@@ -136,17 +169,18 @@ def _save_atomically(model, tokenizer, report: dict, out_dir: str) -> None:
     os.replace(tmp, out_dir)
 
 
-def _train(model, tokenizer, task_cfg: TaskConfig, cfg: BootstrapConfig, *, progress: bool) -> tuple[int, float]:
+def _train(model, tokenizer, task_cfg: TaskConfig, cfg: BootstrapConfig, *,
+           progress: bool) -> tuple[int, float, str]:
+    """Steps taken, the last held-out pass@1, and what stopped training (see BootstrapResult)."""
     import torch
     from tqdm import tqdm
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps))
-    started, step, pass1 = time.monotonic(), 0, 0.0
-    bar = tqdm(total=int(cfg.max_seconds), unit="s", desc="bootstrap", disable=not progress,
-               bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total}s [{postfix}]")
+    started, step, pass1, stopped_by = time.monotonic(), 0, 0.0, "max_steps"
+    bar = tqdm(total=cfg.max_steps, unit="step", desc="bootstrap (stops at the target)", disable=not progress)
     model.train()
-    while time.monotonic() - started < cfg.max_seconds:
+    while step < cfg.max_steps:
         input_ids, attn, labels = _sft_batch(tokenizer, task_cfg, cfg.seed * 1_000_003 + step, cfg.batch_size)
         loss = model(input_ids=input_ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
@@ -155,15 +189,19 @@ def _train(model, tokenizer, task_cfg: TaskConfig, cfg: BootstrapConfig, *, prog
         opt.step()
         sched.step()
         step += 1
-        if step % cfg.eval_every == 0:
+        if step % cfg.eval_every == 0 or step == cfg.max_steps:
             pass1 = heldout_pass1(model, tokenizer, task_cfg, cfg.eval_items)
-        bar.set_postfix_str(f"step {step} loss {loss.item():.3f} heldout pass@1 {pass1:.2f}", refresh=False)
-        bar.update(int(time.monotonic() - started) - bar.n)
+        bar.set_postfix_str(f"loss {loss.item():.3f} heldout pass@1 {pass1:.2f}", refresh=False)
+        bar.update(1)
         if pass1 >= cfg.target_pass1:
+            stopped_by = "target"
+            break
+        if time.monotonic() - started > cfg.max_seconds:
+            stopped_by = "max_seconds"
             break
     bar.close()
     model.eval()
-    return step, pass1
+    return step, pass1, stopped_by
 
 
 def _sft_batch(tokenizer, task_cfg: TaskConfig, seed: int, batch_size: int):
@@ -193,8 +231,9 @@ def _sft_batch(tokenizer, task_cfg: TaskConfig, seed: int, batch_size: int):
 def heldout_pass1(model, tokenizer, task_cfg: TaskConfig, num_items: int) -> float:
     """One T=1 sample per held-out item, scored by the task's verifier."""
     from threepo.services.evaluation import model_pass_at_1
-    from threepo.services.tasks import generate_items
+    from threepo.services.tasks import generate_items, max_new_tokens_for
 
     items = generate_items(task_cfg.family, "heldout", num_items, seed=task_cfg.seed,
                            difficulty=task_cfg.difficulty)
-    return model_pass_at_1(model, tokenizer, items, temperature=1.0, max_new_tokens=24)
+    limit = max_new_tokens_for(task_cfg.family, task_cfg.difficulty)  # the limit training samples with
+    return model_pass_at_1(model, tokenizer, items, temperature=1.0, max_new_tokens=limit)

@@ -6,6 +6,7 @@ contradictory combinations are rejected by `check_combination` before anything s
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -181,3 +182,53 @@ def check_combination(algo: AlgoConfig, optim: OptimConfig, model_kind: str) -> 
                          f"set optim.name=ivon (got {optim.name})")
     if algo.vp2o and model_kind != "moe":
         raise ValueError("algo.vp2o=true needs a mixture-of-experts model: set model.kind=moe")
+
+
+@dataclass(frozen=True)
+class VP2OConfig:
+    """VP2O coefficients (defaults from algorithms.md §7)."""
+
+    alpha_att: float = 1.0
+    """Attraction weight α_att in [0, 1]: 1 = pure kernel-weighted averaging over A(i) ∪ {i} (§3.5)."""
+    gamma_rep: float = 1e-3
+    """Repulsion coefficient γ_rep ≥ 0 on ∇L_rep, added to down_proj's grad only (§3.5)."""
+    lambda_orth: float = 1e-3
+    """Weight λ_orth ≥ 0 of the expert orthogonalisation loss L_orth (§3.6)."""
+    lambda_div: float = 1e-3
+    """Weight λ_div ≥ 0 of the routing diversification loss L_div (§3.6)."""
+    lift_hi: float = 2.0
+    """Co-activation lift at or above which two experts attract (§3.4)."""
+    lift_lo: float = 0.5
+    """Co-activation lift at or below which two experts repel (§3.4); must be < lift_hi."""
+    beta_co: float = 0.9
+    """EMA factor β_co in [0, 1) of the load and co-activation statistics (§3.4)."""
+    anchor_budget: float = math.sin(0.05) ** 2
+    """Anchor prototype budget B_anc on 1 − ⟨p, p_anc⟩² (§3.7)."""
+    power_iters: int = 2
+    """Warm-started power iterations per step for the prototypes (§3.2)."""
+    sync_power_iters: int = 32
+    """Power iterations when (re)setting the anchors: at construction and on_sync."""
+    n_bisect: int = 3
+    """Bisection steps of the per-expert step shrinking (§3.7)."""
+    h_min: float = 1e-4
+    """Lower bound of the kernel bandwidth (§3.3)."""
+    seed: int = 0
+    """Seed of the random power-iteration start (layer i uses seed + i)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha_att <= 1.0:
+            raise ValueError(f"vp2o.alpha_att: expected in [0, 1], got {self.alpha_att}")
+        for name in ("gamma_rep", "lambda_orth", "lambda_div"):
+            if not getattr(self, name) >= 0.0:
+                raise ValueError(f"vp2o.{name}: expected ≥ 0, got {getattr(self, name)}")
+        if not self.lift_lo < self.lift_hi:
+            raise ValueError(f"vp2o.lift_lo/lift_hi: expected lift_lo < lift_hi, got {self.lift_lo}, {self.lift_hi}")
+        if not 0.0 <= self.beta_co < 1.0:
+            raise ValueError(f"vp2o.beta_co: expected in [0, 1), got {self.beta_co}")
+        if not 0.0 < self.anchor_budget <= 1.0:
+            raise ValueError(f"vp2o.anchor_budget: expected in (0, 1], got {self.anchor_budget}")
+        for name in ("power_iters", "sync_power_iters", "n_bisect"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"vp2o.{name}: expected ≥ 0, got {getattr(self, name)}")
+        if not self.h_min > 0.0:
+            raise ValueError(f"vp2o.h_min: expected > 0, got {self.h_min}")

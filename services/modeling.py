@@ -85,18 +85,30 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, pad_id: int, eos_id: int,
 
 
 def load_model(path: str, *, dtype: str = "float32") -> PreTrainedModel:
-    """Load a local HF checkpoint (safetensors) offline; a missing directory is a clear error."""
-    import os
-
+    """Load a local HF checkpoint (safetensors) offline; a missing directory or file is a one-line
+    `MissingPathError` naming `model.path`."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"model.path={path!r}: expected a HF checkpoint directory with config.json")
+    check_checkpoint_dir(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), local_files_only=True)
     if getattr(model.config, "num_experts", None):
         model.set_experts_implementation("eager")
     return model
+
+
+def check_checkpoint_dir(path: str, key: str = "model.path") -> None:
+    """Raise `MissingPathError` naming `key` unless `path` holds an HF model and its tokenizer."""
+    import os
+
+    from threepo.services.errors import MissingPathError
+
+    if not os.path.isdir(path):
+        raise MissingPathError(f"{key}={path!r}: no such directory; expected a HF checkpoint directory")
+    for name, what in (("config.json", "the model's config.json"), ("tokenizer_config.json", "its tokenizer")):
+        if not os.path.isfile(os.path.join(path, name)):
+            raise MissingPathError(f"{key}={path!r}: no {name}; expected a HF checkpoint directory with {what} "
+                                   "(save_pretrained of the model and of the tokenizer)")
 
 
 def load_tokenizer(path: str):
