@@ -21,7 +21,7 @@ from threepo.deploy.config import RunConfig
 from threepo.services.engines.base import SamplerConfig
 from threepo.services.learner import Learner
 from threepo.services.posterior import PosteriorConfig, PosteriorServer
-from threepo.services.verifier_pool import VerifierPool, VerifierPoolConfig
+from threepo.services.verifier_pool import VerifierConfig, VerifierPool
 
 ACTOR_ENV = {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -77,12 +77,24 @@ class PosteriorActor(PosteriorServer):
 
 class VerifierActor:
     """The verifier pool behind synchronous methods only: Ray turns an actor with any `async def`
-    method into an async actor, whose methods leave the main thread (math-verify's SIGALRM needs it)."""
+    method into an async actor, whose methods leave the main thread (math-verify's SIGALRM needs it).
+    `remote_sandbox` is built from `[verifier]` (its token read here, from `verifier.auth_env`) and
+    holds a permit of the cluster-wide limiter for each request. `verify_batch` raises
+    `VerifierOutage` (services/verifiers/base.py) when every sandbox endpoint is down past its bound."""
 
-    def __init__(self, cfg: VerifierPoolConfig) -> None:
+    def __init__(self, cfg: VerifierConfig) -> None:
         from threepo.deploy.metrics import RayMetrics
 
-        self.pool = VerifierPool(cfg, metrics=RayMetrics())
+        def remote_sandbox(config, **options):
+            from threepo.deploy.limiter import ClusterLimiter
+            from threepo.services.verifiers.remote import RemoteSandboxVerifier
+
+            limiter = (ClusterLimiter(cfg.limiter_name, cfg.cluster_concurrency)
+                       if cfg.cluster_concurrency else None)
+            return RemoteSandboxVerifier(config, limiter, **options)
+
+        self.pool = VerifierPool(cfg.pool_config(), factories={"remote_sandbox": remote_sandbox},
+                                 metrics=RayMetrics())
 
     def verify_batch(self, requests: list) -> list:
         return self.pool.verify_batch(requests)
@@ -162,7 +174,7 @@ def start_roles(cfg: RunConfig, policy_path: str, run_id: str, posterior_state: 
     verifiers = [
         ray.remote(VerifierActor).options(num_cpus=rt.verifier_cpus, max_restarts=-1, max_task_retries=-1,
                                          max_concurrency=1, runtime_env=env, name=f"{run_id}-verifier-{i}")
-        .remote(VerifierPoolConfig())
+        .remote(cfg.verifier)
         for i in range(rt.num_verifiers)
     ]
     learner = ray.remote(LearnerActor).options(num_cpus=rt.learner_cpus, runtime_env=env,

@@ -27,6 +27,7 @@ from threepo.services.evaluation import EvalConfig
 from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig, VP2OConfig
 from threepo.services.modeling import ModelConfig
 from threepo.services.tasks import TaskConfig
+from threepo.services.verifier_pool import VerifierConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 
@@ -114,6 +115,7 @@ class RunConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     vp2o: VP2OConfig = field(default_factory=VP2OConfig)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
 
     def __post_init__(self) -> None:
         from threepo.services.learner_config import check_combination

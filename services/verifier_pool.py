@@ -7,6 +7,14 @@ thread, where math-verify's SIGALRM timeouts work: it runs the async verifiers u
 event loop driven from the calling thread. A result with status `infra_error` says nothing about the
 completion, so it is retried with exponential backoff and jitter; if it persists, the `infra_error`
 (reward NaN) is returned — never a zero reward — and the driver keeps it out of the gradient.
+Retries happen at two levels that do not overlap: the remote sandbox client waits out a flaky or
+briefly down service itself (services/verifiers/remote.py); the pool retries what a verifier still
+returns as `infra_error`. A `VerifierOutage` (every endpoint down for longer than its bound) is not a
+result: `verify_batch` cancels the rest of the batch and raises it to the caller.
+
+`VerifierConfig` is the run's `[verifier]` section: which verifier serves which rows (`route`), the
+remote sandbox's endpoints, token (read from an environment variable), deadlines, retries, circuit
+breaker and outage bound, and the cluster-wide cap on requests (deploy/limiter.py).
 
 Not here: the checks themselves (services/verifiers/), what to do with an unscorable group (driver).
 Departure: one event loop lives as long as the pool instead of one `asyncio.run` per batch, because
@@ -23,11 +31,15 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from threepo.services.errors import UserInputError
 from threepo.services.messages import VerifyRequest, VerifyResult, VerifyStatus
 from threepo.services.metrics import CATALOGUE, Metrics, register_catalogue
-from threepo.services.verifiers.base import Verifier, load_verifier
+from threepo.services.verifiers.base import Verifier, VerifierOutage, load_verifier
+
+if TYPE_CHECKING:
+    from threepo.services.verifiers.remote import RemoteSandboxConfig
 
 _METRICS = ("threepo_verifier_results_total", "threepo_verifier_latency_seconds")
 
@@ -50,25 +62,136 @@ class VerifierPoolConfig:
     """Seed of the jitter."""
     options: tuple[tuple[str, str, Any], ...] = ()
     """Verifier options as (verifier name, option, value), e.g. ("math", "mode", "process")."""
+    route: tuple[tuple[str, str], ...] = ()
+    """(verifier a row names, verifier that scores it), e.g. ("code_output", "remote_sandbox")."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "options", tuple(tuple(o) for o in self.options))
+        object.__setattr__(self, "route", tuple(tuple(r) for r in self.route))
+        if not all(len(r) == 2 and all(isinstance(x, str) and x for x in r) for r in self.route):
+            raise ValueError(f"verifier.route: expected [row verifier, verifier] pairs, got {self.route!r}")
         if self.max_concurrency < 1:
-            raise ValueError(f"verifier_pool.max_concurrency: expected >= 1, got {self.max_concurrency}")
+            raise ValueError(f"verifier.max_concurrency: expected >= 1, got {self.max_concurrency}")
         if self.infra_retries < 0:
-            raise ValueError(f"verifier_pool.infra_retries: expected >= 0, got {self.infra_retries}")
+            raise ValueError(f"verifier.infra_retries: expected >= 0, got {self.infra_retries}")
         if self.backoff_base_s < 0 or self.backoff_max_s < self.backoff_base_s:
-            raise ValueError("verifier_pool.backoff_base_s/backoff_max_s: expected 0 <= base <= max, got "
+            raise ValueError("verifier.backoff_base_s/backoff_max_s: expected 0 <= base <= max, got "
                              f"{self.backoff_base_s}, {self.backoff_max_s}")
         if not 0 <= self.jitter <= 1:
-            raise ValueError(f"verifier_pool.jitter: expected in [0, 1], got {self.jitter}")
+            raise ValueError(f"verifier.jitter: expected in [0, 1], got {self.jitter}")
         for option in self.options:
             if len(option) != 3 or not all(isinstance(x, str) for x in option[:2]):
-                raise ValueError(f"verifier_pool.options: expected (verifier name, option, value), got {option!r}")
+                raise ValueError(f"verifier.options: expected (verifier name, option, value), got {option!r}")
 
     def options_of(self, name: str) -> dict[str, Any]:
         """Keyword options for verifier `name`."""
         return {key: value for verifier, key, value in self.options if verifier == name}
+
+    def routed(self, name: str) -> str:
+        """The verifier that scores rows naming `name`."""
+        return dict(self.route).get(name, name)
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    """The run's `[verifier]` section: who scores which rows, and how the remote sandbox is called.
+
+    The remote fields configure the `remote_sandbox` verifier (services/verifiers/remote.py, where
+    the retry, breaker and outage rules are spelled out); a row reaches it by naming it or by
+    `route`, e.g. `verifier.route=[["code_output", "remote_sandbox"]]` for the code task."""
+
+    route: tuple[tuple[str, str], ...] = ()
+    """(verifier a row names, verifier that scores it instead): a run-level override of
+    `TaskItem.verifier`, e.g. [["code_output", "remote_sandbox"]]."""
+    endpoints: tuple[str, ...] = ("http://127.0.0.1:8080",)
+    """Remote sandbox base URLs (SandboxFusion API), used round-robin."""
+    auth_env: str = ""
+    """Name of the environment variable holding the sandbox's bearer token ('' = no token); the
+    token itself is never part of a config file."""
+    auth_header: str = "Authorization"
+    """Header that carries the token."""
+    compile_timeout_s: float = 10.0
+    """Compile limit sent to the sandbox."""
+    run_timeout_s: float = 10.0
+    """Run limit sent to the sandbox."""
+    request_margin_s: float = 10.0
+    """Per-request deadline = compile_timeout_s + run_timeout_s + this; past it the request is retried."""
+    max_attempts: int = 8
+    """Failed attempts of one verification, counted while other requests get answers, before it
+    ends as infra_error."""
+    backoff_base_s: float = 0.5
+    """First retry delay; doubles per retry up to backoff_max_s, shortened by up to `jitter`."""
+    backoff_max_s: float = 10.0
+    """Cap on one retry delay."""
+    jitter: float = 0.5
+    """Fraction of each retry delay drawn at random, in [0, 1]."""
+    unhealthy_after: int = 5
+    """Consecutive failures that open an endpoint's circuit breaker."""
+    cooldown_s: float = 5.0
+    """Open breaker: seconds before one probe request may try the endpoint again."""
+    outage_s: float = 180.0
+    """No endpoint answering for this long raises VerifierOutage: the driver stops the run cleanly."""
+    cluster_concurrency: int = 64
+    """Remote requests in flight over the whole Ray cluster (deploy/limiter.py); 0 = only the
+    per-actor `max_concurrency`."""
+    limiter_name: str = "threepo-sandbox-limiter"
+    """Name of the cluster-wide limiter; runs sharing a name share its permits (the first run to
+    create it fixes the capacity)."""
+    max_concurrency: int = 8
+    """Verifications in flight in one verifier actor."""
+    infra_retries: int = 3
+    """Pool-level retries of a verification a verifier still returns as infra_error."""
+    seed: int = 0
+    """Seed of the retry jitter."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "endpoints", tuple(self.endpoints))
+        object.__setattr__(self, "route", tuple(tuple(r) for r in self.route))
+        if self.cluster_concurrency < 0:
+            raise ValueError(f"verifier.cluster_concurrency: expected >= 0, got {self.cluster_concurrency}")
+        if self.auth_env and not self.auth_env.replace("_", "").isalnum():
+            raise ValueError(f"verifier.auth_env: expected the NAME of an environment variable, got "
+                             f"{self.auth_env!r} (never put the token itself in the config)")
+        self.pool_config(token="")  # range checks, named verifier.<field>; the token is read later
+
+    def pool_config(self, token: str | None = None) -> VerifierPoolConfig:
+        """The pool's settings (retries of infra_error, concurrency, routing) with the remote
+        sandbox's as the `config` option of `remote_sandbox` (token: see `remote_config`)."""
+        return VerifierPoolConfig(max_concurrency=self.max_concurrency, infra_retries=self.infra_retries,
+                                  backoff_base_s=self.backoff_base_s, backoff_max_s=self.backoff_max_s,
+                                  jitter=self.jitter, seed=self.seed, route=self.route,
+                                  options=(("remote_sandbox", "config", self.remote_config(token)),))
+
+    def remote_config(self, token: str | None = None) -> RemoteSandboxConfig:
+        """The remote sandbox client's settings; the token is read from `auth_env` now (in the
+        process that will call the sandbox) unless given."""
+        from threepo.services.verifiers.remote import RemoteSandboxConfig
+
+        if token is None:
+            token = auth_token(self.auth_env)
+        try:
+            return RemoteSandboxConfig(
+                endpoints=self.endpoints, compile_timeout_s=self.compile_timeout_s,
+                run_timeout_s=self.run_timeout_s, request_margin_s=self.request_margin_s,
+                max_attempts=self.max_attempts, backoff_base_s=self.backoff_base_s,
+                backoff_max_s=self.backoff_max_s, jitter=self.jitter, unhealthy_after=self.unhealthy_after,
+                cooldown_s=self.cooldown_s, outage_s=self.outage_s, auth_token=token,
+                auth_header=self.auth_header, seed=self.seed)
+        except ValueError as err:
+            raise ValueError(str(err).replace("RemoteSandboxConfig.", "verifier.")) from None
+
+
+def auth_token(env_name: str) -> str:
+    """The token in environment variable `env_name` ('' when no name is given); a name that is not
+    set is an error naming `verifier.auth_env`."""
+    import os
+
+    if not env_name:
+        return ""
+    if env_name not in os.environ:
+        raise UserInputError(f"verifier.auth_env={env_name!r}: the environment variable is not set "
+                             "(in the process that calls the sandbox); expected it to hold the token")
+    return os.environ[env_name]
 
 
 class VerifierPool:
@@ -105,9 +228,15 @@ class VerifierPool:
         loop = asyncio.get_running_loop()
         if self._limit is None or self._limit[0] is not loop:  # a semaphore belongs to one loop
             self._limit = (loop, asyncio.Semaphore(self.cfg.max_concurrency))
-        verifiers = [self._verifier(r.item.verifier) for r in requests]  # unknown names fail before any work
-        return list(await asyncio.gather(*(self._verify(v, r, self._limit[1])
-                                           for v, r in zip(verifiers, requests))))
+        verifiers = [self._verifier(self.cfg.routed(r.item.verifier)) for r in requests]  # unknown: fail now
+        tasks = [asyncio.ensure_future(self._verify(v, r, self._limit[1])) for v, r in zip(verifiers, requests)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except VerifierOutage:  # no verification can finish now: stop the others, tell the caller
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     def stats(self) -> dict:
         """Counts of final statuses, attempts, retries and latency (seconds, retries included)."""

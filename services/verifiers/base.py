@@ -10,6 +10,9 @@ Contract every verifier keeps:
 - `verify` never raises for a bad completion: it returns a status. It raises only for a bug.
 - An infrastructure failure (sandbox down, timeout of the checker itself rather than of the
   program) returns `infra_error` with a NaN reward, never `wrong` with 0.
+- A verifier whose service has been down longer than its configured bound raises `VerifierOutage`
+  instead: the verifier pool and the Ray actor let it through, so the caller (the driver) can stop
+  the run cleanly and resume it once the service is back.
 """
 
 from __future__ import annotations
@@ -30,6 +33,13 @@ BUILTIN: dict[str, str] = {
     "code_tests": "threepo.services.verifiers.code_verifiers:code_tests",
     "remote_sandbox": "threepo.services.verifiers.remote:RemoteSandboxVerifier",
 }
+
+
+class VerifierOutage(RuntimeError):
+    """Every endpoint of a verifier service has been down longer than its bound (`outage_s`): no
+    verification can be done now, so the run should stop (and resume later) rather than fail rows.
+    Raised by `verify`, passed on by `VerifierPool.verify_batch` and so by the verifier actor's Ray
+    call (`ray.get` raises an exception that is an instance of this class)."""
 
 
 @runtime_checkable

@@ -7,15 +7,24 @@ execution_time, return_code, stdout, stderr}`. `POST /submit` grades a completio
 stdin/stdout cases with `config.dataset_type="CommonOJDataset"` and `config.provided_data`.
 
 How it calls (operations.md §3.4, §7 item 6):
-- every HTTP call holds the injected limiter (`async with limiter:`); the default is a
-  per-process `asyncio.Semaphore`, `threepo.deploy.limiter.ClusterLimiter` is cluster-wide;
-- per-request deadline = compile_timeout + run_timeout + request_margin;
-- retried with exponential backoff and jitter: transport errors, timeouts, HTTP 5xx, an
-  unreadable body and `status: SandboxError` (a sandbox-side failure, not a run). Never retried:
-  HTTP 4xx, and any completed run, whatever its outcome;
-- endpoints in round-robin; `unhealthy_after` consecutive failures take one out for `cooldown_s`;
-- everything that is not the program's fault ends as `SandboxInfraError`, which the verifier
-  turns into `infra_error` with a NaN reward, never 0.
+- every HTTP call holds the injected limiter (`async with limiter:`) while it is on the wire, never
+  while it waits; the default is a per-process `asyncio.Semaphore`,
+  `threepo.deploy.limiter.ClusterLimiter` is cluster-wide;
+- per-request deadline = compile_timeout + run_timeout + request_margin; a request past it (a
+  hanging endpoint) counts as a failure of that endpoint and is retried, on the next endpoint;
+- transient failures are retried, with capped exponential backoff and jitter: transport errors,
+  timeouts, HTTP 5xx, an unreadable body and `status: SandboxError` (a sandbox-side failure, not
+  a run). Never retried: HTTP 4xx (our request is wrong), and any completed run, whatever its outcome;
+- a circuit breaker per endpoint: `unhealthy_after` consecutive failures open it for `cooldown_s`;
+  then one request (the half-open probe) may try it: success closes it, failure re-opens it. Calls
+  that find every endpoint open wait for a probe instead of failing;
+- how a call ends when it cannot get an answer. While some endpoint keeps answering other
+  requests, failures are this request's own: after `max_attempts` of them it is a
+  `SandboxInfraError`, which the verifier turns into `infra_error` with a NaN reward, never 0.
+  While no endpoint answers anything, attempts are not counted: the call waits (a flaky or briefly
+  down service is waited out) until no endpoint has answered for `outage_s`, then raises
+  `VerifierOutage` (services/verifiers/base.py), which the verifier pool and the Ray actor pass on
+  to the driver: every endpoint is really down, and the run should stop cleanly and resume later.
 """
 
 from __future__ import annotations
@@ -26,11 +35,13 @@ import json
 import random
 import time
 from dataclasses import dataclass, fields
+from collections.abc import Awaitable, Callable
 from typing import Any, AsyncContextManager
 
 import aiohttp
 
 from threepo.services.messages import VerifyRequest, VerifyResult, VerifyStatus
+from threepo.services.verifiers.base import VerifierOutage
 from threepo.services.verifiers.code_verifiers import prepare, result, score_run
 from threepo.services.verifiers.sandbox import RunResult, RunStatus
 
@@ -49,20 +60,26 @@ class RemoteSandboxConfig:
     """Sent as `memory_limit_MB` (-1: the server's default)."""
     request_margin_s: float = 10.0
     """Added to compile + run timeout to give each HTTP request's deadline."""
-    max_attempts: int = 5
-    """Attempts per call, the first included."""
+    max_attempts: int = 8
+    """Failed attempts of one call, counted only while other requests get answers, before it ends
+    as infra_error (a request no endpoint can serve; see the module docstring)."""
     backoff_base_s: float = 0.5
-    """Delay before retry k (k = 0, 1, ...) is min(backoff_max_s, base * 2**k) * U(0.5, 1)."""
+    """Delay before retry k (k = 0, 1, ...) is min(backoff_max_s, base * 2**k) * U(1 - jitter, 1)."""
     backoff_max_s: float = 10.0
     """Cap on one backoff delay."""
-    unhealthy_after: int = 3
-    """Consecutive failures after which an endpoint is taken out of rotation."""
-    cooldown_s: float = 30.0
-    """How long an unhealthy endpoint stays out before it is tried again."""
+    jitter: float = 0.5
+    """Fraction of each backoff drawn at random, in [0, 1] (spreads the retries of a burst)."""
+    unhealthy_after: int = 5
+    """Consecutive failures that open an endpoint's circuit breaker."""
+    cooldown_s: float = 5.0
+    """How long an open breaker waits before letting one probe request through (half-open)."""
+    outage_s: float = 180.0
+    """When no endpoint has answered any request for this long, a waiting call raises VerifierOutage."""
     max_concurrency: int = 64
     """Size of the default per-process semaphore (ignored when a limiter is injected)."""
     auth_token: str = ""
-    """Sent as `<auth_header>: Bearer <auth_token>` when set."""
+    """Sent as `<auth_header>: Bearer <auth_token>` when set (a run reads it from the environment
+    variable `verifier.auth_env`, never from a config file)."""
     auth_header: str = "Authorization"
     """Header that carries the token."""
     seed: int = 0
@@ -78,9 +95,15 @@ class RemoteSandboxConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"RemoteSandboxConfig.{name}: expected >= 1, "
                                  f"got {getattr(self, name)}")
-        for name in ("compile_timeout_s", "run_timeout_s", "request_margin_s"):
+        for name in ("compile_timeout_s", "run_timeout_s", "request_margin_s", "cooldown_s", "outage_s"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"RemoteSandboxConfig.{name}: expected > 0")
+                raise ValueError(f"RemoteSandboxConfig.{name}: expected > 0, got {getattr(self, name)}")
+        if not 0 <= self.backoff_base_s <= self.backoff_max_s or not 0 <= self.jitter <= 1:
+            raise ValueError("RemoteSandboxConfig.backoff_base_s/backoff_max_s/jitter: expected "
+                             "0 <= base <= max and jitter in [0, 1]")
+
+
+DEADLINE_HEADER = "X-Threepo-Deadline-S"  # the request's deadline in seconds: the server drops it if still queued then
 
 
 class SandboxInfraError(RuntimeError):
@@ -151,28 +174,39 @@ def to_run_result(response: RunCodeResponse) -> RunResult:
 
 @dataclass
 class _Endpoint:
+    """One endpoint's circuit breaker: closed (`open_until` None), open, or half-open once
+    `open_until` has passed, when one probe request (`probing`) may try it."""
+
     url: str
-    failures: int = 0
-    unhealthy_until: float = 0.0
+    failures: int = 0  # consecutive
+    open_until: float | None = None
+    probing: bool = False
 
 
 class SandboxClient:
-    """Calls `/run_code` and `/submit` on a pool of endpoints under a shared concurrency cap."""
+    """Calls `/run_code` and `/submit` on a pool of endpoints under a shared concurrency cap.
+
+    `clock` and `sleep` (monotonic seconds, async sleep) are injectable so tests can follow the
+    waiting without doing it; request deadlines are aiohttp's and always real."""
 
     def __init__(self, config: RemoteSandboxConfig | None = None,
-                 limiter: AsyncContextManager | None = None) -> None:
+                 limiter: AsyncContextManager | None = None, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep) -> None:
         self.config = config or RemoteSandboxConfig()
         self.limiter = limiter or asyncio.Semaphore(self.config.max_concurrency)
         self._endpoints = [_Endpoint(url.rstrip("/")) for url in self.config.endpoints]
         self._next = 0
         self._rng = random.Random(self.config.seed)
+        self._clock, self._sleep = clock, sleep
+        self._last_answer = clock()  # when an endpoint last answered (any request)
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.attempts = 0  # HTTP requests sent, retries included (for metrics and tests)
 
     def healthy_endpoints(self) -> list[str]:
-        now = time.monotonic()
-        return [e.url for e in self._endpoints if e.unhealthy_until <= now]
+        """Endpoints whose breaker is closed."""
+        return [e.url for e in self._endpoints if e.open_until is None]
 
     async def run_code(self, code: str, language: str = "python", stdin: str | None = None,
                        files: dict[str, bytes] | None = None) -> RunCodeResponse:
@@ -205,28 +239,70 @@ class SandboxClient:
         return SubmitResult(bool(body["accepted"]), tuple(bool(t["passed"]) for t in body["tests"]),
                             body.get("extracted_code") or "")
 
+    def backoff_s(self, retry: int) -> float:
+        """Delay before retry `retry` (0-based): capped exponential, shortened by up to `jitter`."""
+        cfg = self.config
+        return min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** retry) * (1 - cfg.jitter * self._rng.random())
+
     async def _post(self, path: str, payload: dict[str, Any]) -> Any:
         cfg = self.config
         deadline = cfg.compile_timeout_s + cfg.run_timeout_s + cfg.request_margin_s
-        last: Exception | None = None
-        for attempt in range(cfg.max_attempts):
-            if attempt:
-                delay = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (attempt - 1))
-                await asyncio.sleep(delay * (0.5 + 0.5 * self._rng.random()))
-            endpoint = self._pick()
+        started, retries, charged = self._clock(), 0, 0
+        while True:
+            endpoint = await self._endpoint(started)
             try:
-                body = await self._attempt(endpoint.url + path, payload, deadline)
+                body = await self._attempt(endpoint, path, payload, deadline)
             except (aiohttp.ClientError, asyncio.TimeoutError, _Retryable) as e:
-                last = e
                 self._failed(endpoint)
+                charged += self._last_answer > started  # others got answers meanwhile: ours is the problem
+                if charged >= cfg.max_attempts:
+                    raise SandboxInfraError(f"{path}: {charged} failed attempts while the service answered "
+                                            f"other requests; last error: {type(e).__name__}: {e}") from None
+                await self._sleep(self.backoff_s(retries))
+                retries += 1
                 continue
-            endpoint.failures = 0
+            except BaseException:  # cancelled (or a bug): the endpoint is not at fault, let another probe
+                endpoint.probing = False
+                raise
+            self._answered(endpoint)
             return body
-        raise SandboxInfraError(f"{path}: gave up after {cfg.max_attempts} attempts; "
-                                f"last error: {type(last).__name__}: {last}")
 
-    async def _attempt(self, url: str, payload: dict[str, Any], deadline: float) -> Any:
-        headers = {}
+    async def _endpoint(self, started: float) -> _Endpoint:
+        """The next endpoint to try: a closed one in round-robin, else an open one due for its
+        half-open probe; when there is none, wait, up to the outage bound."""
+        cfg = self.config
+        while True:
+            now = self._clock()
+            closed = [e for e in self._endpoints if e.open_until is None]
+            if closed:
+                self._next += 1
+                return closed[self._next % len(closed)]
+            due = [e for e in self._endpoints if not e.probing and e.open_until <= now]
+            if due:
+                due[0].probing = True
+                return due[0]
+            silent = now - max(self._last_answer, started)
+            if silent >= cfg.outage_s:
+                raise VerifierOutage(f"no sandbox endpoint answered for {silent:.0f}s (outage_s="
+                                     f"{cfg.outage_s:g}): {list(cfg.endpoints)}")
+            waits = [e.open_until - now for e in self._endpoints if not e.probing]
+            await self._sleep(max(0.01, min(waits + [0.1, cfg.outage_s - silent])))
+
+    def _failed(self, endpoint: _Endpoint) -> None:
+        now = self._clock()
+        if endpoint.probing:  # the half-open probe failed: open again
+            endpoint.probing, endpoint.open_until = False, now + self.config.cooldown_s
+            return
+        endpoint.failures += 1
+        if endpoint.failures >= self.config.unhealthy_after and endpoint.open_until is None:
+            endpoint.open_until, endpoint.failures = now + self.config.cooldown_s, 0
+
+    def _answered(self, endpoint: _Endpoint) -> None:
+        endpoint.failures, endpoint.open_until, endpoint.probing = 0, None, False
+        self._last_answer = self._clock()
+
+    async def _attempt(self, endpoint: _Endpoint, path: str, payload: dict[str, Any], deadline: float) -> Any:
+        url, headers = endpoint.url + path, {DEADLINE_HEADER: f"{deadline:g}"}
         if self.config.auth_token:
             headers[self.config.auth_header] = f"Bearer {self.config.auth_token}"
         session = self._ensure_session()
@@ -237,7 +313,8 @@ class SandboxClient:
                 if resp.status >= 500:
                     raise _Retryable(f"HTTP {resp.status} from {url}")
                 text = await resp.text()
-                if resp.status >= 400:  # our request is wrong: retrying cannot help
+                if resp.status >= 400:  # the endpoint answered: our request is wrong, retrying cannot help
+                    self._answered(endpoint)
                     raise SandboxInfraError(f"HTTP {resp.status} from {url}: {text[:200]}")
         try:
             body = json.loads(text)
@@ -246,21 +323,6 @@ class SandboxClient:
         if isinstance(body, dict) and body.get("status") == "SandboxError":
             raise _Retryable(f"SandboxError from {url}: {body.get('message', '')}")
         return body
-
-    def _pick(self) -> _Endpoint:
-        now = time.monotonic()
-        for _ in range(len(self._endpoints)):
-            endpoint = self._endpoints[self._next % len(self._endpoints)]
-            self._next += 1
-            if endpoint.unhealthy_until <= now:
-                return endpoint
-        raise SandboxInfraError(f"all sandbox endpoints unhealthy: {self.config.endpoints}")
-
-    def _failed(self, endpoint: _Endpoint) -> None:
-        endpoint.failures += 1
-        if endpoint.failures >= self.config.unhealthy_after:
-            endpoint.unhealthy_until = time.monotonic() + self.config.cooldown_s
-            endpoint.failures = 0
 
     def _ensure_session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()

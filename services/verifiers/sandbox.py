@@ -2,8 +2,13 @@
 
 Layers (operations.md §3.5), each of which a hostile program meets:
 1. bubblewrap (`bwrap`) with new PID, network, IPC, UTS, mount (and cgroup) namespaces: the program
-   sees only `lo`, only its own processes, read-only binds of `/usr` and the interpreter's prefix,
-   a fresh `/proc`, a minimal `/dev` and its working directory. No `/etc`, no `/home`, no `/root`.
+   sees only `lo` and its own processes. Its filesystem is exactly: `/usr` and the host's `/bin`,
+   `/lib*` (read-only), the interpreter's prefix at `/opt/python` (read-only; only for one installed
+   outside `/usr`, e.g. pyenv or conda), a fresh `/proc`, a minimal `/dev` and its working directory
+   `/sandbox` (HOME and TMPDIR). No `/etc`, `/home`, `/root`, `/tmp`, `/var` or host paths.
+   The program runs on `SandboxConfig.python` (default: the interpreter running threepo, so
+   programs meet the Python version the verifier expects); `LocalSandbox.interpreter()` says
+   which, as seen from inside.
 2. An unprivileged uid: as root, bwrap keeps only CAP_SETUID/SETGID/SETPCAP and `setpriv` drops
    to a uid of its own with every capability, the bounding set and new privileges gone. Each run
    holds one uid of the pool `SandboxConfig.uid ...` (claimed with a lock file, so across
@@ -38,12 +43,15 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 
+from threepo.services.verifiers.pipes import exited, pipe_reader, read_all, read_capped
+
 log = logging.getLogger(__name__)
 
 _SANDBOX_DIR = "/sandbox"
 _SIGNAL_EXIT = 128  # bwrap reports a child killed by signal s as exit code 128 + s
 _TIMEOUT_EXIT = 124  # coreutils `timeout` when its deadline (the in-sandbox backstop) fired
 _BACKSTOP_S = 2.0
+_PYTHON_MOUNT = "/opt/python"
 
 
 @dataclass(frozen=True)
@@ -75,7 +83,8 @@ class SandboxConfig:
     """`bwrap` (namespaces + unprivileged uid + rlimits) or `unconfined` (rlimits only: no
     network, filesystem or PID isolation; logged as a warning on every sandbox built)."""
     python: str = field(default_factory=lambda: os.path.realpath(sys.executable))
-    """Interpreter that runs the program (with `-I -S`: isolated mode, no site-packages)."""
+    """Interpreter that runs the program (with `-I -S`: isolated mode, no site-packages); default:
+    the one running threepo. Outside /usr it is seen inside at /opt/python."""
 
     def __post_init__(self) -> None:
         if self.isolation not in ("bwrap", "unconfined"):
@@ -109,14 +118,13 @@ class SandboxUnavailableError(RuntimeError):
     """The requested isolation cannot be provided on this machine."""
 
 
-def _interpreter_roots(python: str) -> list[str]:
-    """Directories to bind read-only so the interpreter and its stdlib work inside."""
+def interpreter_paths(python: str) -> tuple[str, str]:
+    """(host prefix to bind at /opt/python, "" for one under /usr; the interpreter's path inside)."""
     exe = Path(python).resolve()
     prefix = exe.parent.parent  # <prefix>/bin/python3.x
-    roots = ["/usr"]
-    if not str(prefix).startswith("/usr/"):
-        roots.append(str(prefix))
-    return roots
+    if prefix == Path("/usr") or prefix.is_relative_to("/usr"):
+        return "", str(exe)
+    return str(prefix), f"{_PYTHON_MOUNT}/{exe.relative_to(prefix)}"
 
 
 def _bwrap_argv(cfg: SandboxConfig, workdir: str, started_fd: int) -> list[str]:
@@ -125,8 +133,10 @@ def _bwrap_argv(cfg: SandboxConfig, workdir: str, started_fd: int) -> list[str]:
             "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
     if not root:
         argv.append("--unshare-user")
-    for path in _interpreter_roots(cfg.python):
-        argv += ["--ro-bind", path, path]
+    prefix, exe = interpreter_paths(cfg.python)
+    argv += ["--ro-bind", "/usr", "/usr"]
+    if prefix:  # bwrap makes missing parents 0700, which the program's uid could not search
+        argv += ["--perms", "0755", "--dir", os.path.dirname(_PYTHON_MOUNT), "--ro-bind", prefix, _PYTHON_MOUNT]
     for top in ("/lib", "/lib64", "/bin", "/lib32", "/libx32"):
         if os.path.islink(top):
             argv += ["--symlink", os.readlink(top), top]
@@ -135,6 +145,8 @@ def _bwrap_argv(cfg: SandboxConfig, workdir: str, started_fd: int) -> list[str]:
     argv += ["--proc", "/proc", "--dev", "/dev", "--bind", workdir, _SANDBOX_DIR,
              "--chdir", _SANDBOX_DIR, "--clearenv", "--setenv", "HOME", _SANDBOX_DIR,
              "--setenv", "TMPDIR", _SANDBOX_DIR]
+    if prefix:  # a shared libpython's RUNPATH names the host prefix, which is not there
+        argv += ["--setenv", "LD_LIBRARY_PATH", f"{_PYTHON_MOUNT}/lib"]
     if root:  # no user namespace, so setpriv drops to a real unprivileged uid inside
         argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
     # Backstop deadline inside: when the main child dies, bwrap's PID 1 exits and the kernel
@@ -143,10 +155,10 @@ def _bwrap_argv(cfg: SandboxConfig, workdir: str, started_fd: int) -> list[str]:
     if root:
         argv += ["setpriv", f"--reuid={cfg.uid}", f"--regid={cfg.uid}", "--clear-groups",
                  "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
-    return argv + _python_argv(cfg, started_fd)
+    return argv + _python_argv(exe, started_fd)
 
 
-def _python_argv(cfg: SandboxConfig, started_fd: int) -> list[str]:
+def _python_argv(python: str, started_fd: int) -> list[str]:
     """The interpreter running main.py, after writing one byte to `started_fd` and closing it.
 
     That byte is how the parent tells "the sandbox failed to start" (infra_error) from "the
@@ -157,7 +169,7 @@ def _python_argv(cfg: SandboxConfig, started_fd: int) -> list[str]:
                 "sys.argv[:] = ['main.py']; exec(compile(open('main.py').read(), 'main.py', "
                 "'exec'), {'__name__': '__main__', '__file__': 'main.py', "
                 "'__builtins__': __builtins__})")
-    return [cfg.python, "-I", "-S", "-c", launcher]
+    return [python, "-I", "-S", "-c", launcher]
 
 
 def _set_limits(cfg: SandboxConfig) -> None:
@@ -173,19 +185,6 @@ def _set_limits(cfg: SandboxConfig) -> None:
     for which, value in limits.items():
         resource.setrlimit(which, value)
 
-
-async def _read_capped(stream: asyncio.StreamReader, cap: int, on_overflow) -> tuple[bytes, bool]:
-    """Read until EOF keeping at most `cap` bytes; past the cap, call `on_overflow` (a kill)."""
-    buf = bytearray()
-    while chunk := await stream.read(1 << 16):
-        room = cap - len(buf)
-        buf += chunk[:room]
-        if len(chunk) > room:
-            on_overflow()
-            while await stream.read(1 << 16):  # discard until the killed group closes the pipe
-                pass
-            return bytes(buf), True
-    return bytes(buf), False
 
 
 def _claim_uid(base: int, size: int) -> tuple[int, int]:
@@ -225,6 +224,7 @@ class LocalSandbox:
     def __init__(self, config: SandboxConfig | None = None) -> None:
         self.config = config or SandboxConfig()
         self._checked = False
+        self._interpreter: str | None = None
         self._parallel = asyncio.Semaphore(self.config.max_parallel)
         if self.config.isolation == "unconfined":
             log.warning("LocalSandbox running UNCONFINED (isolation='unconfined'): rlimits only; "
@@ -250,6 +250,16 @@ class LocalSandbox:
                 f"bubblewrap cannot build a sandbox on this machine ({probe.status.value}): "
                 f"{probe.stderr.strip()[-500:]}; user or network namespaces may be forbidden "
                 "(container seccomp/AppArmor profile); use a remote sandbox instead")
+
+    async def interpreter(self) -> str:
+        """Which Python runs the programs, as a program sees it: e.g. 'CPython 3.11.7 /opt/python/bin/python3.11'."""
+        if self._interpreter is None:
+            run = await self.run("import platform, sys; print(platform.python_implementation(), "
+                                 "platform.python_version(), sys.executable)")
+            if run.status is not RunStatus.FINISHED or run.return_code != 0:
+                raise SandboxUnavailableError(f"the sandbox's interpreter does not start: {run.stderr[-300:]}")
+            self._interpreter = run.stdout.strip()
+        return self._interpreter
 
     async def run(self, code: str, stdin: str | None = None, files: dict[str, bytes] | None = None,
                   timeout_s: float | None = None, memory_bytes: int | None = None) -> RunResult:
@@ -291,7 +301,7 @@ class LocalSandbox:
         if cfg.isolation == "bwrap":
             argv, cwd = _bwrap_argv(cfg, workdir, started_w), None
         else:
-            argv, cwd = _python_argv(cfg, started_w), workdir
+            argv, cwd = _python_argv(cfg.python, started_w), workdir
         start = time.monotonic()
         # A plain Popen, not asyncio's: its cancellation path kills bwrap alone, which can strand
         # a half-built sandbox PID 1 holding our pipes. Here every exit path kills the group.
@@ -313,34 +323,16 @@ class LocalSandbox:
             os.close(started_r)
 
 
-async def _pipe_reader(pipe) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
-    return reader, transport
-
-
-async def _exited(pid: int) -> None:
-    """Wait for `pid` to exit without reaping it (a pidfd becomes readable at exit)."""
-    loop = asyncio.get_running_loop()
-    pidfd = os.pidfd_open(pid)
-    done = loop.create_future()
-    loop.add_reader(pidfd, lambda: done.done() or done.set_result(None))
-    try:
-        await done
-    finally:
-        loop.remove_reader(pidfd)
-        os.close(pidfd)
 
 
 async def _supervise(proc: subprocess.Popen, cfg: SandboxConfig, start: float,
                      started_r: int) -> RunResult:
     """Wait for `proc` under the deadline and the output caps, then classify the outcome."""
     kill = lambda: _kill_group(proc.pid)  # noqa: E731
-    (out_r, out_t), (err_r, err_t) = await _pipe_reader(proc.stdout), await _pipe_reader(proc.stderr)
-    out = asyncio.ensure_future(_read_capped(out_r, cfg.max_output_bytes, kill))
-    err = asyncio.ensure_future(_read_capped(err_r, cfg.max_output_bytes, kill))
-    waiter = asyncio.ensure_future(_exited(proc.pid))
+    (out_r, out_t), (err_r, err_t) = await pipe_reader(proc.stdout), await pipe_reader(proc.stderr)
+    out = asyncio.ensure_future(read_capped(out_r, cfg.max_output_bytes, kill))
+    err = asyncio.ensure_future(read_capped(err_r, cfg.max_output_bytes, kill))
+    waiter = asyncio.ensure_future(exited(proc.pid))
     tasks = [out, err, waiter]
     try:
         _, pending = await asyncio.wait(tasks, timeout=cfg.wall_timeout_s)
@@ -361,21 +353,11 @@ async def _supervise(proc: subprocess.Popen, cfg: SandboxConfig, start: float,
     elapsed = time.monotonic() - start
     stdout, out_over = out.result() if out.done() and not out.cancelled() else (b"", False)
     stderr, err_over = err.result() if err.done() and not err.cancelled() else (b"", False)
-    started = _read_all(started_r).startswith(b"1")
+    started = read_all(started_r).startswith(b"1")
     status = _classify(started, timed_out, out_over or err_over, proc.returncode)
     return RunResult(status, proc.returncode, stdout.decode(errors="replace"),
                      stderr.decode(errors="replace"), elapsed)
 
-
-def _read_all(fd: int) -> bytes:
-    os.set_blocking(fd, False)
-    chunks = []
-    try:
-        while chunk := os.read(fd, 1 << 16):
-            chunks.append(chunk)
-    except BlockingIOError:  # writer still open somewhere: take what is there
-        pass
-    return b"".join(chunks)
 
 
 def _classify(started: bool, timed_out: bool, over: bool, code: int) -> RunStatus:

@@ -2,9 +2,20 @@
 
 Endpoints (operations.md §3.1): `POST /run_code` (Python only), `POST /submit` with
 `config.dataset_type="CommonOJDataset"` and the cases in `config.provided_data.test`, and
-`GET /v1/ping`. At most `workers` programs run at once; the rest queue. A request for a language
-other than Python, or a malformed request, is answered 400; the sandbox failing to start a
-program is `status: SandboxError` (the client retries that, and turns it into `infra_error`).
+`GET /v1/ping`, and `GET /v1/info` (the interpreter programs run on, as they see it, and the
+queue). At most `workers` programs run at once; the rest queue.
+
+- A malformed request is answered 400 with one line naming the field and what was expected (a
+  string timeout, a float memory limit, a number for stdin, a list for files, ...); so is a
+  language other than Python. Clients must not retry a 400 (threepo's does not).
+- Queued work whose client is gone is dropped before it runs: a client that disconnects cancels
+  its handler (`handler_cancellation`), and a request carrying `X-Threepo-Deadline-S` (the
+  client's own deadline, in seconds; threepo's client sends it) that is still queued when it
+  passes is answered 504 without running.
+- The sandbox failing to start a program is `status: SandboxError` (the client retries that, and
+  turns it into `infra_error`).
+- Programs run on `SandboxConfig.python` (`--python`; default: the interpreter running the
+  server), inside the filesystem services/verifiers/sandbox.py describes.
 
 Run it as the cluster's verifier service:
     python -m threepo.services.verifiers.sandbox_server --host 0.0.0.0 --port 8080
@@ -21,12 +32,14 @@ import asyncio
 import base64
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from threepo.services.verifiers.code_verifiers import extract_program, normalize_output
+from threepo.services.verifiers.remote import DEADLINE_HEADER
 from threepo.services.verifiers.sandbox import (LocalSandbox, RunResult, RunStatus,
                                                 SandboxConfig, SandboxUnavailableError)
 
@@ -58,8 +71,56 @@ class SandboxServerConfig:
             raise ValueError(f"SandboxServerConfig.workers: expected >= 1, got {self.workers}")
 
 
+_NUMBER, _INT, _STR = ("a number", (int, float)), ("an integer", (int,)), ("a string", (str,))
+
+
 def _bad_request(message: str) -> web.HTTPBadRequest:
     return web.HTTPBadRequest(text=message, content_type="text/plain")
+
+
+def field_of(body: dict[str, Any], name: str, kind: tuple[str, tuple[type, ...]], where: str,
+             required: bool = False) -> Any:
+    """`body[name]` if it has the expected type (booleans are never numbers), None if absent or
+    null and not required; else a 400 naming `where.name` and what was expected."""
+    expected, types = kind
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise _bad_request(f"{where}: field `{name}` is required ({expected})")
+        return None
+    if isinstance(value, bool) or not isinstance(value, types):
+        raise _bad_request(f"{where}: field `{name}`: expected {expected}, got "
+                           f"{type(value).__name__} {value!r:.40}")
+    return value
+
+
+def _limits(body: dict[str, Any], where: str) -> tuple[float | None, int | None]:
+    """(run_timeout, memory_limit_MB) of a request, checked; compile_timeout is checked and unused
+    (Python is not compiled ahead)."""
+    field_of(body, "compile_timeout", _NUMBER, where)
+    timeout = field_of(body, "run_timeout", _NUMBER, where)
+    if timeout is not None and not timeout > 0:
+        raise _bad_request(f"{where}: field `run_timeout`: expected a number > 0, got {timeout!r}")
+    return timeout, field_of(body, "memory_limit_MB", _INT, where)
+
+
+def _files(body: dict[str, Any]) -> dict[str, bytes]:
+    files = body.get("files")
+    if files is None:
+        return {}
+    if not isinstance(files, dict):
+        raise _bad_request(f"run_code: field `files`: expected an object of path -> base64 string, "
+                           f"got {type(files).__name__}")
+    out = {}
+    for name, content in files.items():
+        if not isinstance(content, str):
+            raise _bad_request(f"run_code: field `files.{name}`: expected a base64 string, got "
+                               f"{type(content).__name__}")
+        try:
+            out[name] = base64.b64decode(content, validate=True)
+        except ValueError as e:
+            raise _bad_request(f"run_code: field `files.{name}`: expected base64 ({e})")
+    return out
 
 
 def run_code_body(run: RunResult, message: str = "") -> dict[str, Any]:
@@ -84,55 +145,91 @@ class SandboxService:
         self.config = config
         self.sandbox = sandbox or LocalSandbox(config.sandbox)
         self._slots = asyncio.Semaphore(config.workers)
+        # programs started; queued requests dropped because their deadline passed or client left
+        self.stats = {"started": 0, "expired_in_queue": 0, "cancelled_in_queue": 0, "queued": 0}
+
+    async def _slot(self, deadline: float | None) -> None:
+        """Wait for a free worker, but not past the client's deadline (monotonic), nor after the
+        client has gone (the handler is then cancelled here)."""
+        self.stats["queued"] += 1
+        acquiring = asyncio.ensure_future(self._slots.acquire())
+        try:
+            await asyncio.wait([acquiring], timeout=None if deadline is None
+                               else max(0.0, deadline - time.monotonic()))
+        except asyncio.CancelledError:
+            self.stats["cancelled_in_queue"] += 1
+            self._drop(acquiring)
+            raise
+        finally:
+            self.stats["queued"] -= 1
+        if not acquiring.done():
+            self.stats["expired_in_queue"] += 1
+            self._drop(acquiring)
+            raise web.HTTPGatewayTimeout(text="the client's deadline passed while this request was "
+                                              "queued; it was not run")
+
+    def _drop(self, acquiring: asyncio.Future) -> None:
+        """Abandon a wait for a worker, giving back the permit if it was granted meanwhile."""
+        if acquiring.done() and not acquiring.cancelled():
+            self._slots.release()
+        else:
+            acquiring.cancel()  # Semaphore.acquire hands on a permit granted while cancelling
 
     async def execute(self, code: str, stdin: str | None, files: dict[str, bytes],
-                      run_timeout: float | None, memory_mb: int | None) -> dict[str, Any]:
+                      run_timeout: float | None, memory_mb: int | None,
+                      deadline: float | None = None) -> dict[str, Any]:
         timeout = min(run_timeout or self.config.sandbox.wall_timeout_s,
                       self.config.max_run_timeout_s)
         memory = None if not memory_mb or memory_mb < 0 else min(memory_mb,
                                                                   self.config.max_memory_mb)
-        async with self._slots:
+        await self._slot(deadline)
+        try:
+            self.stats["started"] += 1
             try:
                 run = await self.sandbox.run(code, stdin=stdin, files=files, timeout_s=timeout,
                                              memory_bytes=memory and memory << 20)
             except SandboxUnavailableError as e:
                 return run_code_body(RunResult(RunStatus.SANDBOX_ERROR, None, "", "", 0.0), str(e))
+        finally:
+            self._slots.release()
         return run_code_body(run)
 
-    async def run_code(self, body: dict[str, Any]) -> dict[str, Any]:
-        code, language = body.get("code"), body.get("language")
-        if not isinstance(code, str):
-            raise _bad_request("run_code: `code` must be a string")
+    async def run_code(self, body: dict[str, Any], deadline: float | None = None) -> dict[str, Any]:
+        code = field_of(body, "code", _STR, "run_code", required=True)
+        language = field_of(body, "language", _STR, "run_code") or "python"
         if language != "python":
-            raise _bad_request(f"run_code: language {language!r} unsupported; expected 'python'")
+            raise _bad_request(f"run_code: field `language`: {language!r} unsupported; expected 'python'")
+        stdin = field_of(body, "stdin", _STR, "run_code")
+        run_timeout, memory_mb = _limits(body, "run_code")
+        fetch = body.get("fetch_files")
+        if fetch is not None and not (isinstance(fetch, list) and all(isinstance(f, str) for f in fetch)):
+            raise _bad_request("run_code: field `fetch_files`: expected a list of strings")
+        files = _files(body)
         try:
-            files = {k: base64.b64decode(v, validate=True)
-                     for k, v in (body.get("files") or {}).items()}
-        except (ValueError, TypeError) as e:
-            raise _bad_request(f"run_code: `files` must map paths to base64 strings ({e})")
-        try:
-            return await self.execute(code, body.get("stdin"), files, body.get("run_timeout"),
-                                      body.get("memory_limit_MB"))
+            return await self.execute(code, stdin, files, run_timeout, memory_mb, deadline)
         except ValueError as e:  # a file path outside the working directory
-            raise _bad_request(f"run_code: {e}")
+            raise _bad_request(f"run_code: field `files`: {e}")
 
-    async def submit(self, body: dict[str, Any]) -> dict[str, Any]:
-        config = body.get("config") or {}
+    async def submit(self, body: dict[str, Any], deadline: float | None = None) -> dict[str, Any]:
+        completion = field_of(body, "completion", _STR, "submit", required=True)
+        config = field_of(body, "config", ("an object", (dict,)), "submit", required=True)
         if config.get("dataset_type") != "CommonOJDataset":
-            raise _bad_request("submit: only config.dataset_type='CommonOJDataset' is supported")
-        if (config.get("language") or "python") != "python":
-            raise _bad_request("submit: only language 'python' is supported")
-        cases = (config.get("provided_data") or {}).get("test")
-        if (not isinstance(cases, list) or not isinstance(body.get("completion"), str)
-                or not all(isinstance(c, dict) and isinstance(c.get("input"), dict)
-                           and isinstance(c.get("output"), dict) for c in cases)):
-            raise _bad_request("submit: expected `completion` and config.provided_data.test[] "
-                               "of {input: {stdin}, output: {stdout}}")
-        code = extract_program(body["completion"])
+            raise _bad_request("submit: field `config.dataset_type`: expected 'CommonOJDataset'")
+        if (field_of(config, "language", _STR, "submit: config") or "python") != "python":
+            raise _bad_request("submit: field `config.language`: expected 'python'")
+        run_timeout, _ = _limits(config, "submit: config")
+        provided = field_of(config, "provided_data", ("an object", (dict,)), "submit: config", required=True)
+        cases = field_of(provided, "test", ("a list", (list,)), "submit: config.provided_data", required=True)
+        for i, case in enumerate(cases):
+            where = f"submit: config.provided_data.test[{i}]"
+            if not isinstance(case, dict):
+                raise _bad_request(f"{where}: expected an object {{input: {{stdin}}, output: {{stdout}}}}")
+            field_of(field_of(case, "input", ("an object", (dict,)), where, True), "stdin", _STR, where + ".input")
+            field_of(field_of(case, "output", ("an object", (dict,)), where, True), "stdout", _STR, where + ".output")
+        code = extract_program(completion)
         tests = []
         for case in cases if code is not None else []:
-            info = await self.execute(code, case["input"].get("stdin"), {},
-                                      config.get("run_timeout"), None)
+            info = await self.execute(code, case["input"].get("stdin"), {}, run_timeout, None, deadline)
             run = info["run_result"]
             passed = (info["status"] == "Success"
                       and normalize_output(run["stdout"]) == normalize_output(
@@ -141,6 +238,9 @@ class SandboxService:
         return {"id": body.get("id"), "accepted": bool(tests) and all(t["passed"] for t in tests),
                 "extracted_code": code or "", "full_code": code or "", "test_code": None,
                 "tests": tests, "extracted_type": "python" if code is not None else None}
+
+
+SERVICE = web.AppKey("threepo_sandbox_service", SandboxService)
 
 
 def make_app(config: SandboxServerConfig, sandbox: LocalSandbox | None = None,
@@ -155,6 +255,15 @@ def make_app(config: SandboxServerConfig, sandbox: LocalSandbox | None = None,
             raise web.HTTPUnauthorized(text="missing or wrong bearer token")
         return await handler(request)
 
+    def deadline_of(request: web.Request) -> float | None:
+        raw = request.headers.get(DEADLINE_HEADER)
+        if raw is None:
+            return None
+        try:
+            return time.monotonic() + float(raw)
+        except ValueError:
+            raise _bad_request(f"header {DEADLINE_HEADER}: expected seconds as a number, got {raw!r:.40}")
+
     async def json_body(request: web.Request) -> dict[str, Any]:
         try:
             body = await request.json()
@@ -165,17 +274,22 @@ def make_app(config: SandboxServerConfig, sandbox: LocalSandbox | None = None,
         return body
 
     async def run_code(request: web.Request) -> web.Response:
-        return web.json_response(await service.run_code(await json_body(request)))
+        return web.json_response(await service.run_code(await json_body(request), deadline_of(request)))
 
     async def submit(request: web.Request) -> web.Response:
-        return web.json_response(await service.submit(await json_body(request)))
+        return web.json_response(await service.submit(await json_body(request), deadline_of(request)))
 
     async def ping(request: web.Request) -> web.Response:
         return web.Response(text="pong")
 
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response({"interpreter": await service.sandbox.interpreter(),
+                                  "workers": config.workers, **service.stats})
+
     app = web.Application(middlewares=[*middlewares, auth])
     app.add_routes([web.post("/run_code", run_code), web.post("/submit", submit),
-                    web.get("/v1/ping", ping)])
+                    web.get("/v1/ping", ping), web.get("/v1/info", info)])
+    app[SERVICE] = service
     return app
 
 
@@ -186,12 +300,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=SandboxServerConfig.workers)
     parser.add_argument("--unconfined", action="store_true",
                         help="run WITHOUT namespace isolation (unsafe; logged loudly)")
+    parser.add_argument("--python", default=SandboxConfig().python,
+                        help="interpreter the programs run on (default: this one)")
     args = parser.parse_args(argv)
-    sandbox = SandboxConfig(isolation="unconfined" if args.unconfined else "bwrap")
+    sandbox = SandboxConfig(isolation="unconfined" if args.unconfined else "bwrap", python=args.python)
     config = SandboxServerConfig(host=args.host, port=args.port, workers=args.workers,
                                  auth_token=os.environ.get("THREEPO_SANDBOX_TOKEN", ""),
                                  sandbox=sandbox)
-    web.run_app(make_app(config), host=config.host, port=config.port)
+    app = make_app(config)
+
+    async def announce(app: web.Application) -> None:
+        print(f"threepo sandbox: programs run on {await app[SERVICE].sandbox.interpreter()}", flush=True)
+
+    app.on_startup.append(announce)
+    web.run_app(app, host=config.host, port=config.port, handler_cancellation=True)
 
 
 if __name__ == "__main__":

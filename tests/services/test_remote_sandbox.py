@@ -5,12 +5,13 @@ import asyncio
 import math
 import shutil
 import socket
+import time
 
 import pytest
 from aiohttp import web
 
 from threepo.services.messages import TaskItem, VerifyRequest, VerifyStatus
-from threepo.services.verifiers.base import load_verifier
+from threepo.services.verifiers.base import VerifierOutage, load_verifier
 from threepo.services.verifiers.remote import (RemoteSandboxConfig, RemoteSandboxVerifier,
                                                SandboxClient)
 from threepo.services.verifiers.sandbox import SandboxConfig
@@ -61,7 +62,7 @@ async def serve(faults: Faults | None = None, token: str = ""):
 
 def client_config(url, **kw):
     base = dict(endpoints=(url,), compile_timeout_s=0.1, run_timeout_s=2.0, request_margin_s=1.0,
-                max_attempts=3, backoff_base_s=0.01, backoff_max_s=0.05)
+                max_attempts=3, backoff_base_s=0.01, backoff_max_s=0.05, cooldown_s=0.2, outage_s=5.0)
     return RemoteSandboxConfig(**{**base, **kw})
 
 
@@ -102,10 +103,13 @@ def test_transient_faults_are_retried_to_success(plan):
 
 
 @pytest.mark.parametrize("plan", [["500"], ["hang"], ["sandbox_error"]])
-def test_persistent_faults_end_as_infra_error_never_zero(plan):
-    r, attempts = verify_with(plan, run_timeout_s=0.3, request_margin_s=0.2)
-    assert r.status is VerifyStatus.INFRA_ERROR and math.isnan(r.reward)
-    assert attempts == 3
+def test_a_service_that_never_answers_is_an_outage_not_a_row_error(plan):
+    # nothing answers: attempts are not held against the request; past outage_s the call raises
+    start = time.monotonic()
+    with pytest.raises(VerifierOutage, match="no sandbox endpoint answered"):
+        verify_with(plan, run_timeout_s=0.3, request_margin_s=0.2, unhealthy_after=2, cooldown_s=0.2,
+                    outage_s=1.5)
+    assert 1.5 <= time.monotonic() - start < 10
 
 
 def test_client_errors_4xx_are_not_retried():

@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -230,3 +231,42 @@ def _safe_read(path: Path) -> bytes:
         return path.read_bytes()
     except OSError:  # the process exited while we looked
         return b""
+
+
+LOOK_AROUND = ("import os, sys\nprint(sorted(os.listdir('/')))\n"
+               "print([p for p in ('/root', '/home', '/etc', '/tmp', '/var', {host!r}) if os.path.exists(p)])\n"
+               "print(sys.executable, os.environ.get('HOME'), os.environ.get('TMPDIR'))\n"
+               "for p in ('/opt/python/x', '/usr/x', '/x'):\n"
+               "    try:\n        open(p, 'w'); print('WROTE', p)\n"
+               "    except OSError:\n        pass\n")
+
+
+@pytest.mark.parametrize("python", [None, "/usr/bin/python3"])
+def test_the_filesystem_inside_is_what_the_docs_say(python):
+    if python is not None and not os.path.exists(python):
+        pytest.skip(f"{python} not installed")
+    cfg = SandboxConfig() if python is None else SandboxConfig(python=python)
+    prefix, inside_exe = sandbox_mod.interpreter_paths(cfg.python)
+    r = run(LOOK_AROUND.format(host=os.path.dirname(os.path.abspath(__file__))), **(
+        {} if python is None else {"python": python}))
+    assert r.status is RunStatus.FINISHED and r.return_code == 0, r.stderr
+    listing, present, where = r.stdout.splitlines()[:3]
+    host_tops = {t for t in ("bin", "lib", "lib64", "lib32", "libx32") if os.path.lexists(f"/{t}")}
+    expected = {"usr", "proc", "dev", "sandbox"} | host_tops | ({"opt"} if prefix else set())
+    assert set(eval(listing)) == expected  # no /root, /home, /etc, /tmp, /var, no host paths
+    assert eval(present) == []
+    assert where == f"{inside_exe} /sandbox /sandbox" and "WROTE" not in r.stdout
+
+
+def test_the_interpreter_is_stated_and_is_the_configured_one():
+    import platform
+
+    version = subprocess.run([os.path.realpath(sys.executable), "-c", "import platform; print(platform.python_version())"],
+                             capture_output=True, text=True).stdout.strip()
+    stated = asyncio.run(LocalSandbox().interpreter())
+    assert stated == f"{platform.python_implementation()} {version} {sandbox_mod.interpreter_paths(sys.executable)[1]}"
+    if os.path.exists("/usr/bin/python3"):
+        system = subprocess.run(["/usr/bin/python3", "-c", "import platform; print(platform.python_version())"],
+                                capture_output=True, text=True).stdout.strip()
+        other = asyncio.run(LocalSandbox(SandboxConfig(python="/usr/bin/python3")).interpreter())
+        assert other.split()[1] == system and other.split()[2].startswith("/usr/bin/python3")
