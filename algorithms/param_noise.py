@@ -7,6 +7,11 @@ the name (blake2b; never Python's per-process `hash`), which makes the draw inde
 parameter order, sharding and process. The clean mean is never recovered by subtracting noise
 (not bit-exact in fp32, feasibility.md §4): callers keep m and rebuild θ̂ from it.
 
+The weight checks are here too: `weights_checksum` (exact, positional: what the learner publishes
+for the mean and an engine recomputes on the mean it received) and `value_fingerprint` (exact,
+layout-invariant: an engine compares the tensors it fed its inference backend with what the backend
+holds after fusing, padding or re-packing them, and later with what it still holds).
+
 Not here: how σ is learned (algorithms/ivon.py) or which seeds a version uses (exploration.py).
 """
 
@@ -69,3 +74,55 @@ def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
         for value in (int(bits.sum()), int((bits * pos).sum())):
             h.update(value.to_bytes(16, "little", signed=True))
     return h.hexdigest()
+
+
+_MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (golden-ratio multiplier)
+
+
+def value_fingerprint(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
+    """Layout-invariant exact fingerprint of a multiset of weight values: (Σ b, Σ mix(b)) over the
+    bit patterns b of every element (int64, wrapping), with mix(b) = (b·K) xor ((b·K) >> 29) for the
+    golden-ratio constant K. Concatenating, transposing, splitting or zero-padding tensors (what
+    inference engines do when they fuse qkv or pad a vocabulary) leaves it unchanged, since zeros
+    contribute 0 to both sums; changing any single element changes Σ b. Integer sums are exact and
+    associative, so device, thread count and reduction order cannot change it. Values are compared
+    in their own dtype (the served one): fp32, bf16 and fp16 bit patterns are all supported."""
+    total, mixed = 0, 0
+    for t in tensors:
+        t = t.detach()
+        if t.numel() == 0:
+            continue
+        width = {4: torch.int32, 2: torch.int16}[t.element_size()]
+        bits = t.contiguous().view(width).flatten().to(torch.int64)
+        spread = bits * _MIX
+        total += int(bits.sum())
+        mixed += int((spread ^ (spread >> 29)).sum())
+    wrap = lambda v: (v + (1 << 63)) % (1 << 64) - (1 << 63)  # noqa: E731 (int64 wrap of Python ints)
+    return wrap(total), wrap(mixed)
+
+
+def served_noise_ratio(mean: torch.Tensor, theta: torch.Tensor, dtype: torch.dtype) -> tuple[float, float]:
+    """How much of the perturbation survives serving in `dtype`: (‖cast(θ̂) − cast(m)‖², ‖θ̂ − m‖²),
+    both in fp32, so that summing over tensors and taking sqrt(a / b) gives the served-noise ratio
+    ‖θ̂_served − m_served‖ / ‖σ ⊙ z‖ (1 in fp32; near 0 when σ is below the dtype's spacing)."""
+    served = theta.to(dtype).float() - mean.to(dtype).float()
+    intended = theta.float() - mean.float()
+    return float(served.square().sum()), float(intended.square().sum())
+
+
+def estimated_noise_ratio(means: Mapping, sigmas: Mapping, dtype: str, *, seed: int,
+                          max_points: int = 1 << 16) -> float:
+    """The served-noise ratio of `served_noise_ratio`, estimated from up to `max_points` strided
+    elements per tensor with z drawn for those elements only (for engines whose workers hold m and
+    σ out of reach). Inputs: fp32 arrays or tensors by name; `dtype` a torch dtype name."""
+    served, intended = 0.0, 0.0
+    target = getattr(torch, dtype)
+    for name, sigma in sigmas.items():
+        m = torch.as_tensor(means[name]).float().flatten()
+        s = torch.as_tensor(sigma).float().flatten()
+        stride = max(1, m.numel() // max_points)
+        m, s = m[::stride], s[::stride]
+        theta = m + s * noise_like(seed, name, m.shape)
+        a, b = served_noise_ratio(m, theta, target)
+        served, intended = served + a, intended + b
+    return (served / intended) ** 0.5 if intended else 1.0

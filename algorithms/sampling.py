@@ -2,11 +2,15 @@
 
 The behaviour log-probs an engine reports are log-probs of *this* distribution (after temperature and
 filtering), so that the learner's importance weights compare like with like (algorithms.md §0.5).
-Not here: the decoding loop and KV cache (services/engines/hf.py).
+Per-request seeds: `row_uniforms` is a counter-based stream (splitmix64 of seed and step), so the
+draw of one row depends only on its own seed and position — not on which other requests share the
+batch, nor on anything sampled before. Not here: the decoding loop and KV cache
+(services/engines/hf.py).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -40,4 +44,28 @@ def sample_from_logprobs(logp: torch.Tensor, generator: torch.Generator | None =
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row: v ~ exp(logp). Shapes: logp [B, V] -> (tokens [B], logp of them [B])."""
     tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+_GOLDEN, _M1, _M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def row_uniforms(seeds: np.ndarray, step: int) -> torch.Tensor:
+    """u_b = splitmix64(seed_b + (step + 1)·γ) / 2^64 ∈ [0, 1), one per row (uint64 arithmetic wraps,
+    which is the point). Shapes: seeds [B] (any integer dtype; reduced mod 2^64) -> [B] fp64."""
+    with np.errstate(over="ignore"):
+        x = np.asarray(seeds).astype(np.uint64) + np.uint64(step + 1) * _GOLDEN
+        x = (x ^ (x >> np.uint64(30))) * _M1
+        x = (x ^ (x >> np.uint64(27))) * _M2
+        x = x ^ (x >> np.uint64(31))
+    return torch.from_numpy((x >> np.uint64(11)).astype(np.float64) * 2.0 ** -53)
+
+
+def sample_with_uniforms(logp: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF draw per row: the first v with CDF(v) > u · CDF(V), in fp64. Tokens of zero
+    probability (filtered to −inf) are never drawn: the CDF is flat across them.
+    Shapes: logp [B, V], u [B] -> (tokens [B], logp of them [B])."""
+    cdf = logp.double().exp().cumsum(-1)
+    target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=logp.shape[-1] - 1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -37,9 +37,9 @@ class SamplerActor:
         self.sampler = Sampler(make_engine(model_path, cfg, engine_id, dtype), engine_id, cfg,
                                metrics=RayMetrics())
 
-    def update(self, version: int, weights: tuple[dict, dict | None]) -> int:
-        mean, sigma = weights
-        self.sampler.update(version, mean, sigma)
+    def update(self, version: int, weights: tuple[dict, dict | None, str]) -> int:
+        mean, sigma, mean_checksum = weights
+        self.sampler.update(version, mean, sigma, mean_checksum)
         return version
 
     def generate(self, requests: list) -> tuple[str, list]:
@@ -50,14 +50,21 @@ class SamplerActor:
 
 
 def make_engine(model_path: str, cfg: SamplerConfig, engine_id: int, dtype: str):
-    """The engine of `sampler.backend`. GPU backends import their library only here."""
+    """The engine of `sampler.backend`; vLLM and SGLang are imported only here, inside the actor."""
     match cfg.backend:
         case "hf":
             from threepo.services.engines.hf import HFEngine
 
             return HFEngine(model_path, cfg, engine_id=engine_id, dtype=dtype)
-    raise ValueError(f"sampler.backend={cfg.backend!r}: this build ships the `hf` engine only; the vLLM "
-                     "and SGLang adapters are not part of it yet (see README, 'What is verified where')")
+        case "vllm":
+            from threepo.services.engines.vllm_engine import VLLMEngine
+
+            return VLLMEngine(model_path, cfg, engine_id=engine_id, dtype=dtype)
+        case "sglang":
+            from threepo.services.engines.sglang_engine import SGLangEngine
+
+            return SGLangEngine(model_path, cfg, engine_id=engine_id, dtype=dtype)
+    raise ValueError(f"sampler.backend: expected hf, vllm or sglang, got {cfg.backend!r}")
 
 
 class PosteriorActor(PosteriorServer):

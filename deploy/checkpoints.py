@@ -83,6 +83,8 @@ def restore_driver(s, saved: dict) -> None:
     s.published_step = {int(k): v for k, v in d["published_step"].items()}
     s.plan = ray.get(s.roles.posterior.plan.remote(s.version))
     s.weights_refs[s.version] = s.roles.posterior.weights.remote(s.version)
+    for v in ray.get(s.roles.posterior.versions.remote()):
+        s.mean_checksums[v] = ray.get(s.roles.posterior.mean_checksum.remote(v))
 
 
 def latest(run_dir: str) -> str:

@@ -181,15 +181,20 @@ def evaluate_policy(cfg, path: str, *, label: str):
     from tqdm import tqdm
 
     from threepo.services.engines.base import SamplerConfig
-    from threepo.services.engines.hf import HFEngine
+    from threepo.services.engines.hf import HFEngine, generate_text
     from threepo.services.evaluation import evaluate, verifiers_for
 
     items = eval_items(cfg)
     engine = HFEngine(path, SamplerConfig(threads=cfg.bootstrap.threads, batch_size=cfg.eval.batch_size,
                                           seed=cfg.seed), dtype=cfg.model.dtype)
     verifiers = verifiers_for(items)
+
+    def policy(prompts, params):
+        return generate_text(engine.model, engine.tokenizer, prompts, params, batch_size=cfg.eval.batch_size,
+                             seed=cfg.seed)
+
     with tqdm(total=len(items), desc=label, unit="item") as bar:
-        report = evaluate(engine.generate, items, verifiers, samples_per_item=cfg.eval.samples_per_item,
+        report = evaluate(policy, items, verifiers, samples_per_item=cfg.eval.samples_per_item,
                           k=cfg.eval.k, temperature=cfg.eval.temperature,
                           max_new_tokens=cfg.sampler.max_new_tokens, batch_size=cfg.eval.batch_size,
                           progress=bar.update)

@@ -46,7 +46,7 @@ class Loop:
     published_step: dict = field(default_factory=dict)
     sampler_version: list = field(default_factory=list)
     weights_refs: dict = field(default_factory=dict)
-    checksums: dict = field(default_factory=dict)
+    mean_checksums: dict = field(default_factory=dict)   # version -> checksum of its published mean
     tokens_by_engine: dict = field(default_factory=dict)
     learning: bool = False
     verifier_turn: int = 0
@@ -210,7 +210,7 @@ def dispatch(s: Loop, requests: list[RolloutRequest]) -> None:
 
 
 def on_generated(s: Loop, future, sampler: int, requests: list[RolloutRequest]) -> None:
-    """Check a sampler's completions (crash, sequence numbers, checksums) and send them to a verifier."""
+    """Check a sampler's completions (crash, sequence numbers, weight checks) and send them to a verifier."""
     try:
         incarnation, completions = ray.get(future)
     except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
@@ -222,12 +222,8 @@ def on_generated(s: Loop, future, sampler: int, requests: list[RolloutRequest]) 
         s.delivery.record_seq(f"{sampler}/{incarnation}", completions[0].seq_no, completions[-1].seq_no)
     good, bad_requests = [], {}
     for c in completions:
-        key = (c.policy_version, c.slot_seed)
-        if key not in s.checksums:  # normally prefetched when the version was published
-            s.checksums[key] = s.roles.posterior.expected_checksum.remote(*key)
-        if not isinstance(s.checksums[key], str):
-            s.checksums[key] = ray.get(s.checksums[key])
-        if c.weights_checksum == s.checksums[key]:
+        # the engine built the slot from the published mean and its own checks held around the call
+        if c.weights_verified and c.mean_checksum == s.mean_checksums.get(c.policy_version):
             good.append(c)
             s.tokens_by_engine[c.engine_id] = s.tokens_by_engine.get(c.engine_id, 0) + len(c.token_ids)
         else:
@@ -285,8 +281,7 @@ def publish(s: Loop, version_ref) -> None:
     s.version, s.plan = plan.version, plan
     s.published_step[plan.version] = ray.get(s.roles.posterior.learner_step.remote(plan.version))
     s.weights_refs[plan.version] = s.roles.posterior.weights.remote(plan.version)
-    for slot in plan.slots:  # expected checksums are computed while the samplers generate
-        s.checksums[(plan.version, slot.seed)] = s.roles.posterior.expected_checksum.remote(plan.version, slot.seed)
+    s.mean_checksums[plan.version] = ray.get(s.roles.posterior.mean_checksum.remote(plan.version))
     for old in [v for v in s.weights_refs if v < plan.version - 8]:
         del s.weights_refs[old]
 

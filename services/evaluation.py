@@ -1,7 +1,7 @@
 """pass@1, pass@k and the malformed rate of a policy on a list of items (`threepo eval`, bootstrap).
 
-The policy is anything that maps prompts to samples (`GenerateFn`): an engine's `generate`, or
-`engines.hf.generate` bound to a model being trained. Verification goes through the same verifiers
+The policy is anything that maps prompts to samples (`GenerateFn`): `engines.hf.generate_text` bound
+to a model (an engine's, or one being trained). Verification goes through the same verifiers
 the runtime uses, so an evaluation scores exactly like training does.
 """
 
@@ -100,12 +100,12 @@ def model_pass_at_1(model, tokenizer, items: Sequence[TaskItem], *, temperature:
                     max_new_tokens: int) -> float:
     """pass@1 of a live model (one sample per item), e.g. the learner's copy or one being trained;
     the model is put in eval mode for the call and its previous mode restored."""
-    from threepo.services.engines.hf import generate
+    from threepo.services.engines.hf import generate_text
 
     verifiers, was_training = verifiers_for(items), model.training
     model.eval()
     try:
-        report = evaluate(lambda p, params: generate(model, tokenizer, p, params, batch_size=256), items,
+        report = evaluate(lambda p, params: generate_text(model, tokenizer, p, params, batch_size=256), items,
                           verifiers, samples_per_item=1, k=1, temperature=temperature,
                           max_new_tokens=max_new_tokens)
     finally:

@@ -26,6 +26,7 @@ from threepo.algorithms import advantages as adv_math
 from threepo.algorithms import losses, off_policy
 from threepo.algorithms.exploration import gradient_points
 from threepo.algorithms.ivon import IVON
+from threepo.algorithms.param_noise import weights_checksum
 from threepo.algorithms.rouge import rouge_l_rewards
 from threepo.algorithms.sync_budget import sync_decision
 from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig
@@ -326,16 +327,18 @@ class Learner:
 
     # ---- publishing and checkpoints -----------------------------------------------------------
     def published(self, reason: str = "") -> PublishedVersion:
-        """The current version's mean and σ as fp32 numpy (what the posterior server stores);
-        `reason` records why it is published (start, kl, ess, staleness)."""
+        """The current version's mean and σ as fp32 numpy (what the posterior server stores) with the
+        mean's exact checksum, which every engine checks on receipt; `reason` records why it is
+        published (start, kl, ess, staleness)."""
         if self.optim_cfg.name == "ivon":
             mean = {n: t.numpy().copy() for n, t in self.opt.mean_by_name().items()}
             sigma = {n: t.numpy().copy() for n, t in self.opt.sigma_by_name().items()}
         else:
             mean = {n: p.detach().float().numpy().copy() for n, p in self.named}
             sigma = None
+        checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
         return PublishedVersion(version=self.version, learner_step=self.version_step[self.version],
-                                reason=reason, mean=mean, sigma=sigma)
+                                reason=reason, mean=mean, sigma=sigma, mean_checksum=checksum)
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Tensors and metadata of everything needed to continue exactly (checkpoint)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: Completion carries mean_checksum and weights_verified
 
 
 class VerifyStatus(str, enum.Enum):
@@ -118,8 +118,10 @@ class Completion:
     """One sampled completion with everything the learner needs to correct for off-policyness.
 
     `logprobs` are the behaviour log-probs of the sampling distribution (after temperature, top-k,
-    top-p), one per generated token. `weights_checksum` is a cheap checksum of the weights it was
-    sampled with (see `algorithms.param_noise.weights_checksum`).
+    top-p), one per generated token. `mean_checksum` is the exact checksum of the posterior mean the
+    engine built the slot's weights from (`algorithms.param_noise.weights_checksum`; the driver
+    compares it with the version's published one); `weights_verified` says the engine's own checks
+    held around the call (its backend held exactly the θ̂ it fed, unchanged while sampling).
     """
 
     completion_id: str
@@ -131,7 +133,8 @@ class Completion:
     seq_no: int
     policy_version: int
     slot_seed: int | None
-    weights_checksum: str
+    mean_checksum: str
+    weights_verified: bool
     prompt_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
@@ -163,10 +166,12 @@ class Group:
 
 @dataclass(frozen=True)
 class PublishedVersion:
-    """A posterior version as the learner publishes it: fp32 mean and σ by parameter name."""
+    """A posterior version as the learner publishes it: fp32 mean and σ by parameter name, and the
+    exact checksum of the mean (`param_noise.weights_checksum`) every engine checks on receipt."""
 
     version: int
     learner_step: int
     reason: str
     mean: dict  # {name: np.ndarray fp32}
     sigma: dict | None  # {name: np.ndarray fp32}; None when the optimizer has no posterior (AdamW)
+    mean_checksum: str

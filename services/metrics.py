@@ -274,6 +274,11 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _c("threepo_sync_bytes_total", "Bytes of (mean, sigma) sent to a sampler engine for new versions.",
        "engine_id"),
     _h("threepo_sync_seconds", "Time for a sampler engine to take a new version.", SECONDS_BUCKETS, "engine_id"),
+    _g("threepo_served_noise_ratio", "Perturbation that survives the served dtype, ||theta_served - "
+       "m_served|| / ||sigma * z||, of the slot an engine serves now (1 in fp32).", "engine_id"),
+    _c("threepo_weight_check_failures_total", "Weight checks an engine failed (reason: mean = received "
+       "mean differs from the published one, load = backend holds other values than fed, changed = "
+       "served weights changed while serving).", "engine_id", "reason"),
     _h("threepo_verifier_latency_seconds", "Time to verify one completion.", SECONDS_BUCKETS, "verifier", "status"),
     _c("threepo_verifier_results_total", "Verification results by status; infra_error never reaches "
        "the gradient.", "verifier", "status"),

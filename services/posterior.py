@@ -6,8 +6,10 @@ a read-only copy, makes that version's plan (`algorithms.exploration.make_plan`)
 engine (m, σ) once per version — one transfer whatever the number of slots, since engines
 regenerate the noise from the plan's seeds. A version stays available while rollouts sampled from it
 are in flight (reference counts) or while it is among the newest `keep_versions`; older ones are
-dropped. `expected_checksum` is the checksum an engine must report after serving a slot, so the
-driver can reject completions sampled from the wrong weights.
+dropped. Each version carries the exact checksum of its mean as the learner published it: engines
+check the mean they receive against it, and the driver checks every completion's reported mean
+checksum against it — the server never rebuilds perturbed models (that work is the engines', on
+their own devices).
 
 Not here: IVON state and steps (the learner), scheduling slots on engines (the driver), Ray.
 Departures: we publish σ rather than (h, λ, δ) — σ = 1/sqrt(λ(h + δ)) is computed once by the
@@ -16,14 +18,11 @@ learner (`param_noise.posterior_sigma`), so engines need no IVON hyperparameters
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import numpy as np
-import torch
 
-from threepo.algorithms import param_noise
 from threepo.algorithms.exploration import KINDS, ExplorationPlan, Slot, make_plan
 from threepo.services.messages import PublishedVersion
 
@@ -60,6 +59,7 @@ class _Version:
     plan: ExplorationPlan
     learner_step: int
     reason: str
+    mean_checksum: str
 
 
 def _frozen_fp32(arrays: Mapping[str, np.ndarray], what: str) -> dict[str, np.ndarray]:
@@ -80,7 +80,6 @@ class PosteriorServer:
         self.cfg = cfg
         self._versions: dict[int, _Version] = {}
         self._refs: dict[int, int] = {}
-        self._checksums: dict[tuple[int, int | None], str] = {}
         self._current = -1
         if state is not None:
             self._load(state)
@@ -105,7 +104,7 @@ class PosteriorServer:
         if sigma is None and cfg.kind != "grpo":
             raise ValueError(f"version {pv.version}: sigma is None, but the {cfg.kind} plan has seeded "
                              "slots (publish σ, or use kind='grpo')")
-        self._versions[pv.version] = _Version(mean, sigma, plan, pv.learner_step, pv.reason)
+        self._versions[pv.version] = _Version(mean, sigma, plan, pv.learner_step, pv.reason, pv.mean_checksum)
         self._refs.setdefault(pv.version, 0)
         self._current = pv.version
         self._evict()
@@ -125,30 +124,20 @@ class PosteriorServer:
         """Learner step at which `version` was published (staleness is measured from it)."""
         return self._get(version).learner_step
 
-    def weights(self, version: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
-        """(mean, σ) of `version`, read-only fp32 arrays: what each engine pulls once per version."""
+    def weights(self, version: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None, str]:
+        """(mean, σ, mean checksum) of `version`, read-only fp32 arrays: what each engine pulls once
+        per version."""
         entry = self._get(version)
-        return entry.mean, entry.sigma
+        return entry.mean, entry.sigma, entry.mean_checksum
+
+    def mean_checksum(self, version: int) -> str:
+        """The learner's checksum of `version`'s mean: what every completion of it must report."""
+        return self._get(version).mean_checksum
 
     def bytes_of(self, version: int) -> int:
         """Bytes of mean + σ: what one engine receives per version, whatever the number of slots."""
         entry = self._get(version)
         return sum(a.nbytes for part in (entry.mean, entry.sigma or {}) for a in part.values())
-
-    def expected_checksum(self, version: int, seed: int | None) -> str:
-        """weights_checksum of θ̂ = m + σ ⊙ z(seed) of `version`: what an engine's serve() returns."""
-        key = (version, seed)
-        if key not in self._checksums:
-            entry = self._get(version)
-            if seed is not None and entry.sigma is None:
-                raise ValueError(f"version {version} has no σ, so seed {seed} cannot be served")
-            with warnings.catch_warnings():  # the arrays are read-only; perturbed_state only reads them
-                warnings.filterwarnings("ignore", "The given NumPy array is not writable")
-                mean = {n: torch.from_numpy(a) for n, a in entry.mean.items()}
-                sigma = {n: torch.from_numpy(a) for n, a in (entry.sigma or {}).items()}
-            theta = param_noise.perturbed_state(mean, sigma, seed)
-            self._checksums[key] = param_noise.weights_checksum(theta.items())
-        return self._checksums[key]
 
     # --- lifetime ---------------------------------------------------------------------------------
 
@@ -181,7 +170,6 @@ class PosteriorServer:
         keep = set(sorted(self._versions)[-self.cfg.keep_versions:]) | {self._current}
         for version in [v for v in self._versions if v not in keep and self._refs[v] == 0]:
             del self._versions[version], self._refs[version]
-            self._checksums = {k: c for k, c in self._checksums.items() if k[0] != version}
 
     def _get(self, version: int) -> _Version:
         if version not in self._versions:
@@ -198,7 +186,8 @@ class PosteriorServer:
             "current": self._current,
             "versions": [
                 {"version": v, "mean": e.mean, "sigma": e.sigma, "learner_step": e.learner_step,
-                 "reason": e.reason, "refcount": self._refs[v], "plan": _plan_state(e.plan)}
+                 "reason": e.reason, "mean_checksum": e.mean_checksum, "refcount": self._refs[v],
+                 "plan": _plan_state(e.plan)}
                 for v, e in sorted(self._versions.items())
             ],
         }
@@ -216,7 +205,7 @@ class PosteriorServer:
             self._versions[saved["version"]] = _Version(
                 _frozen_fp32(saved["mean"], "state mean"),
                 None if sigma is None else _frozen_fp32(sigma, "state sigma"),
-                _plan_from_state(saved["plan"]), saved["learner_step"], saved["reason"])
+                _plan_from_state(saved["plan"]), saved["learner_step"], saved["reason"], saved["mean_checksum"])
             self._refs[saved["version"]] = saved["refcount"]
         self._current = state["current"]
         if self._versions and self._current not in self._versions:

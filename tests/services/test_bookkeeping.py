@@ -31,7 +31,7 @@ def test_sync_admission_waits_for_the_step_to_finish():
 
 def _scored(group, cid, reward=1.0):
     c = Completion(completion_id=cid, request_id=cid.rsplit("/", 1)[0], group_id=group, slot=0, prompt_uid="u",
-                   engine_id=0, seq_no=0, policy_version=0, slot_seed=1, weights_checksum="x", prompt_ids=(1,),
+                   engine_id=0, seq_no=0, policy_version=0, slot_seed=1, mean_checksum="x", weights_verified=True, prompt_ids=(1,),
                    token_ids=(2,), logprobs=(-0.1,), finish_reason="stop", text="\\boxed{2}")
     return ScoredCompletion(c, VerifyResult(VerifyStatus.OK, reward))
 

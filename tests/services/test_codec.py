@@ -30,7 +30,7 @@ COUNTDOWN = TaskItem(uid="cd-3", prompt="Reach 24 with 3 4 8", answer="24", veri
 def _completion(seq_no: int, slot_seed: int | None) -> Completion:
     return Completion(
         completion_id=f"g7/s1/r{seq_no}", request_id="g7/s1", group_id="g7", slot=1, prompt_uid=ITEM.uid,
-        engine_id=1, seq_no=seq_no, policy_version=3, slot_seed=slot_seed, weights_checksum="9f3a0c21",
+        engine_id=1, seq_no=seq_no, policy_version=3, slot_seed=slot_seed, mean_checksum="9f3a0c21", weights_verified=True,
         prompt_ids=(5, 17, 22, 3), token_ids=(40, 41, 2), logprobs=(-0.125, -1.5, -0.0078125),
         finish_reason="stop", text="42",
     )
@@ -56,8 +56,9 @@ SAMPLES = [
                      mean={"model.embed.weight": rng.standard_normal((3, 5)).astype(np.float32),
                            "lm_head.bias": np.arange(4, dtype=np.float32)},
                      sigma={"model.embed.weight": np.full((3, 5), 1e-3, np.float32),
-                            "lm_head.bias": np.zeros(4, np.float32)[::2]}),
-    PublishedVersion(version=0, learner_step=0, reason="init", mean={"w": np.float32(2.5)}, sigma=None),
+                            "lm_head.bias": np.zeros(4, np.float32)[::2]}, mean_checksum="0badc0de"),
+    PublishedVersion(version=0, learner_step=0, reason="init", mean={"w": np.float32(2.5)}, sigma=None,
+                     mean_checksum="5eed"),
 ]
 
 

@@ -1,14 +1,16 @@
-"""PosteriorServer: plans per kind, strictly increasing versions, refcounted lifetime, engine checksums,
-checkpoint round trip, per-engine transfer size independent of the number of slots."""
+"""PosteriorServer: plans per kind, strictly increasing versions, refcounted lifetime, the mean checksum
+every engine checks, checkpoint round trip, per-engine transfer size independent of the number of slots."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
-from threepo.services.engines.base import SamplerConfig
+from threepo.services.engines.base import SamplerConfig, WeightsMismatch
 from threepo.services.engines.hf import HFEngine
 from threepo.services.messages import NoiseSpec, PublishedVersion
+from threepo.algorithms.param_noise import weights_checksum
 from threepo.services.posterior import PosteriorConfig, PosteriorServer
 
 
@@ -17,7 +19,9 @@ def _pv(version, scale=0.01, sigma=True, shapes=None):
     rng = np.random.default_rng(version)
     mean = {n: rng.standard_normal(s) for n, s in shapes.items()}  # fp64 on purpose: stored as fp32
     sig = {n: np.full(s, scale) for n, s in shapes.items()} if sigma else None
-    return PublishedVersion(version=version, learner_step=10 * version, reason="test", mean=mean, sigma=sig)
+    checksum = weights_checksum((n, torch.from_numpy(a.astype(np.float32))) for n, a in mean.items())
+    return PublishedVersion(version=version, learner_step=10 * version, reason="test", mean=mean, sigma=sig,
+                            mean_checksum=checksum)
 
 
 @pytest.mark.parametrize("kind,n_slots,expect_slots,expect_groups", [
@@ -42,7 +46,8 @@ def test_weights_are_read_only_fp32_copies_and_versions_strictly_increase():
     server = PosteriorServer(PosteriorConfig(kind="b3po", n_slots=1))
     pv = _pv(3)
     server.publish(pv)
-    mean, sigma = server.weights(3)
+    mean, sigma, checksum = server.weights(3)
+    assert checksum == pv.mean_checksum == server.mean_checksum(3)
     assert mean["w"].dtype == np.float32 and sigma["b"].dtype == np.float32
     np.testing.assert_array_equal(mean["w"], pv.mean["w"].astype(np.float32))
     pv.mean["w"][0, 0] = 123.0  # the publisher's buffer changes later: the version must not
@@ -99,17 +104,18 @@ def test_keep_versions_keeps_the_newest_unreferenced_ones():
     assert server.versions() == [2, 5]
 
 
-def test_expected_checksum_equals_the_engines_after_serve(tiny_dense_path):
+def test_an_engine_takes_the_published_mean_and_refuses_another(tiny_dense_path):
     engine = HFEngine(tiny_dense_path, SamplerConfig(seed=1))
     shapes = {n: tuple(p.shape) for n, p in engine._params.items()}
-    pv = _pv(4, scale=0.02, shapes=shapes)
     server = PosteriorServer(PosteriorConfig(kind="c3po", group_size=4, n_slots=2, base_seed=9))
-    plan = server.publish(pv)
-    mean, sigma = server.weights(4)
-    engine.update_posterior(4, mean, sigma)
-    for seed in [None] + [s.seed for s in plan.slots]:
-        assert server.expected_checksum(4, seed) == engine.serve(NoiseSpec(4, seed))
-    assert len({server.expected_checksum(4, s.seed) for s in plan.slots}) == 2
+    plan = server.publish(_pv(4, scale=0.02, shapes=shapes))
+    engine.load_version(4, *server.weights(4))
+    assert engine.serve(NoiseSpec(4, plan.slots[0].seed)).mean_checksum == server.mean_checksum(4)
+    mean, sigma, checksum = server.weights(4)
+    tampered = dict(mean, **{"model.norm.weight": mean["model.norm.weight"] + 1e-3})
+    with pytest.raises(WeightsMismatch, match="checksum"):
+        engine.load_version(5, tampered, sigma, checksum)
+    assert engine.version == 4  # the refused version left the engine as it was
 
 
 def test_state_round_trip_restores_versions_plans_and_refcounts():
@@ -125,10 +131,9 @@ def test_state_round_trip_restores_versions_plans_and_refcounts():
     assert restored.plan(1) == server.plan(1) and restored.plan(2) == server.plan(2)
     assert restored.refcount(1) == 2 and restored.refcount(2) == 0
     for v in (1, 2):
-        for a, b in zip(server.weights(v), restored.weights(v)):
+        for a, b in zip(server.weights(v)[:2], restored.weights(v)[:2]):
             assert a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
-    assert restored.expected_checksum(1, server.plan(1).slots[3].seed) == \
-        server.expected_checksum(1, server.plan(1).slots[3].seed)
+    assert restored.mean_checksum(1) == server.mean_checksum(1)
     # a restored plan stays as saved even if the config for future versions changes
     moved = PosteriorServer.from_state(state, PosteriorConfig(kind="c3po", group_size=8, n_slots=2, base_seed=4))
     assert moved.plan(1) == server.plan(1) and len(moved.publish(_pv(3)).slots) == 2

@@ -1,14 +1,20 @@
-"""Sampler: completion ids, per-engine sequence numbers and weights checksums on the tiny checkpoint;
-one serve per (version, seed) group; version mismatch; stats and metrics."""
+"""Sampler: completion ids, per-engine sequence numbers and the weight check on the tiny checkpoint;
+one serve per (version, seed) group; version mismatch; corrupted weights flagged; served-noise ratio;
+stats and metrics."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
+import logging
+
 import numpy as np
 import pytest
+import torch
 
-from threepo.services.engines.base import SamplerConfig
+from threepo.algorithms.param_noise import weights_checksum
+
+from threepo.services.engines.base import SamplerConfig, WeightsMismatch
 from threepo.services.engines.hf import HFEngine
 from threepo.services.messages import PublishedVersion, RolloutRequest, TaskItem
 from threepo.services.metrics import PrometheusMetrics
@@ -22,16 +28,23 @@ class CountingEngine:
     def __init__(self, inner):
         self.inner, self.serves, self.generates = inner, [], []
 
-    def update_posterior(self, version, mean, sigma):
-        self.inner.update_posterior(version, mean, sigma)
+    def load_version(self, version, mean, sigma, mean_checksum):
+        self.inner.load_version(version, mean, sigma, mean_checksum)
 
     def serve(self, noise):
         self.serves.append(noise)
         return self.inner.serve(noise)
 
-    def generate(self, prompts, params, seed=None):
-        self.generates.append((list(prompts), params))
-        return self.inner.generate(prompts, params, seed=seed)
+    def encode(self, prompt):
+        return self.inner.encode(prompt)
+
+    def generate(self, requests, params):
+        self.generates.append(([self.inner.tokenizer.decode(r.prompt_ids) for r in requests],
+                               [r.n for r in requests], params))
+        return self.inner.generate(requests, params)
+
+    def verify(self):
+        return self.inner.verify()
 
     def close(self):
         self.inner.close()
@@ -49,8 +62,10 @@ def hf_engine(tiny_dense_path):
 def setup(hf_engine):
     """A fresh sampler over the shared engine, with version 1 of a 3-slot C3PO plan loaded."""
     mean = {n: p.detach().numpy().copy() for n, p in hf_engine._params.items()}
+    checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
     server = PosteriorServer(PosteriorConfig(kind="c3po", group_size=6, n_slots=3, base_seed=1))
-    server.publish(PublishedVersion(1, 0, "init", mean, {n: np.full(a.shape, 0.02) for n, a in mean.items()}))
+    server.publish(PublishedVersion(1, 0, "init", mean, {n: np.full(a.shape, 0.02) for n, a in mean.items()},
+                                    checksum))
     engine = CountingEngine(hf_engine)
     sampler = Sampler(engine, engine_id=7, cfg=CFG)
     sampler.update(1, *server.weights(1))
@@ -67,7 +82,7 @@ def _requests(plan, slots, prompts=("Q: 1+2= A: ", "Q: 30*4= A: "), n=2, version
     return out
 
 
-def test_completions_carry_ids_seq_numbers_and_the_servers_checksum(setup):
+def test_completions_carry_ids_seq_numbers_and_the_published_mean_checksum(setup):
     sampler, engine, server = setup
     plan = server.plan(1)
     requests = _requests(plan, slots=[0, 2])
@@ -77,10 +92,10 @@ def test_completions_carry_ids_seq_numbers_and_the_servers_checksum(setup):
     for c, r in zip(completions, [r for r in requests for _ in range(2)]):
         assert (c.request_id, c.group_id, c.slot, c.prompt_uid) == (r.request_id, r.group_id, r.slot, r.item.uid)
         assert (c.engine_id, c.policy_version, c.slot_seed) == (7, 1, r.slot_seed)
-        assert c.weights_checksum == server.expected_checksum(1, r.slot_seed)
+        assert c.mean_checksum == server.mean_checksum(1) and c.weights_verified
         assert len(c.prompt_ids) == len(r.item.prompt) and 1 <= len(c.token_ids) == len(c.logprobs) <= 6
         assert c.finish_reason in ("stop", "length") and all(lp <= 0 for lp in c.logprobs)
-    assert completions[0].weights_checksum != completions[4].weights_checksum  # slots 0 and 2 differ
+    assert completions[0].logprobs != completions[4].logprobs  # slots 0 and 2 are different policies
     # a re-issued request gets the same ids and the next sequence numbers
     again = sampler.generate(requests[:1])
     assert [c.completion_id for c in again] == ["g0/s0/0", "g0/s0/1"]
@@ -100,13 +115,13 @@ def test_one_serve_and_one_generate_per_slot_group(setup):
     completions = sampler.generate(requests)
     assert [s.seed for s in engine.serves] == [plan.slots[i].seed for i in (1, 0, 2)]
     assert [g[0] for g in engine.generates] == [["a", "c"], ["b", "e"], ["d"]]
-    assert all(params.n == 2 and params.max_new_tokens == 6 and params.temperature == 0.9
-               and params.top_k == 20 for _, params in engine.generates)
+    assert all(ns == [2] * len(ns) and params.max_new_tokens == 6 and params.temperature == 0.9
+               and params.top_k == 20 for _, ns, params in engine.generates)
     assert [c.completion_id.split("/")[0] for c in completions[::2]] == ["g0"] * 5  # request order kept
     by_seed = defaultdict(set)
     for c in completions:
-        by_seed[c.slot_seed].add(c.weights_checksum)
-    assert all(len(v) == 1 for v in by_seed.values()) and len(by_seed) == 3
+        by_seed[c.slot_seed].add((c.mean_checksum, c.weights_verified))
+    assert all(v == {(server.mean_checksum(1), True)} for v in by_seed.values()) and len(by_seed) == 3
     # the engine still serves slot 2: a batch for slot 2 needs no new serve, one for slot 1 does
     sampler.generate(_requests(plan, [2], prompts=("f",)))
     assert len(engine.serves) == 3
@@ -123,7 +138,7 @@ def test_requests_of_one_slot_with_different_n_share_the_serve(setup):
     plan = server.plan(1)
     requests = _requests(plan, [0], prompts=("a",), n=1) + _requests(plan, [0], prompts=("b",), n=3)
     completions = sampler.generate(requests)
-    assert len(engine.serves) == 1 and [p.n for _, p in engine.generates] == [1, 3]
+    assert len(engine.serves) == 1 and [ns for _, ns, _ in engine.generates] == [[1, 3]]
     assert [c.completion_id for c in completions] == ["g0/s0/0", "g0/s0/0", "g0/s0/1", "g0/s0/2"]
 
 
@@ -144,10 +159,11 @@ def test_a_reissued_request_draws_the_same_tokens(setup):
     sampler, _, server = setup
     requests = _requests(server.plan(1), [0, 1])
     first = sampler.generate(requests)
-    sampler.generate(_requests(server.plan(1), [2], prompts=("other",)))  # the engine's stream moves on
-    again = sampler.generate(requests)
-    assert [c.token_ids for c in again] == [c.token_ids for c in first]
-    assert [c.completion_id for c in again] == [c.completion_id for c in first]
+    sampler.generate(_requests(server.plan(1), [2], prompts=("other",)))  # the engine moves on
+    again = sampler.generate(requests[::-1])  # and the batch is composed differently
+    by_id = {c.completion_id: c.token_ids for c in again}
+    assert [by_id[c.completion_id] for c in first] == [c.token_ids for c in first]
+    assert sorted(by_id) == sorted(c.completion_id for c in first)
 
 
 def test_metrics_follow_the_stats(setup):
@@ -164,3 +180,47 @@ def test_metrics_follow_the_stats(setup):
     assert value("threepo_tokens_generated_total") == sum(len(c.token_ids) for c in completions)
     assert value("threepo_sync_bytes_total") == server.bytes_of(1) == sampler.stats()["sync_bytes"]
     assert value("threepo_sync_seconds_count") == 1
+
+
+def test_weights_corrupted_while_serving_are_flagged_and_reloaded(setup):
+    sampler, engine, server = setup
+    metrics = PrometheusMetrics()
+    sampler = Sampler(engine, engine_id=5, cfg=CFG, metrics=metrics)
+    sampler.update(1, *server.weights(1))
+    requests = _requests(server.plan(1), [1])
+    assert all(c.weights_verified for c in sampler.generate(requests))
+    with torch.no_grad():
+        next(iter(engine.inner._params.values())).view(-1)[3] += 1e-3  # a stray write into served weights
+    flagged = sampler.generate(requests)
+    assert not any(c.weights_verified for c in flagged)
+    assert metrics.registry.get_sample_value("threepo_weight_check_failures_total",
+                                             {"engine_id": "5", "reason": "changed"}) == 1
+    healed = sampler.generate(requests)  # the slot is loaded afresh from m and σ
+    assert all(c.weights_verified for c in healed) and len(engine.serves) == 2
+
+
+def test_a_mean_that_is_not_the_published_one_is_refused(setup):
+    sampler, _, server = setup
+    mean, sigma, checksum = server.weights(1)
+    with pytest.raises(WeightsMismatch):
+        sampler.update(2, {n: a * 1.5 for n, a in mean.items()}, sigma, checksum)
+    assert sampler.version == 1 and sampler.stats()["weight_check_failures"] == 1
+
+
+def test_noise_lost_to_bf16_is_measured_and_warned_about(tiny_dense_path, caplog):
+    bf16 = HFEngine(tiny_dense_path, SamplerConfig(dtype="bfloat16", seed=4))
+    mean = {n: p.detach().float().numpy().copy() for n, p in bf16._params.items()}
+    checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
+    metrics = PrometheusMetrics()
+    sampler = Sampler(bf16, engine_id=2, cfg=SamplerConfig(dtype="bfloat16", max_new_tokens=4), metrics=metrics)
+    tiny_sigma = {n: np.full(a.shape, 1e-6, np.float32) for n, a in mean.items()}  # far below bf16 spacing
+    sampler.update(1, mean, tiny_sigma, checksum)
+    item = TaskItem(uid="p", prompt="Q: 1+2= A: ", answer="3")
+    with caplog.at_level(logging.WARNING):
+        sampler.generate([RolloutRequest("g/s0", "g", item, 1, 0, 77, 1)])
+    ratio = metrics.registry.get_sample_value("threepo_served_noise_ratio", {"engine_id": "2"})
+    assert ratio < 0.5 and "exploration noise survives" in caplog.text
+    fp32 = Sampler(HFEngine(tiny_dense_path, SamplerConfig(seed=4)), engine_id=3, cfg=SamplerConfig(max_new_tokens=4))
+    fp32.update(1, mean, tiny_sigma, checksum)
+    fp32.generate([RolloutRequest("g/s0", "g", item, 1, 0, 77, 1)])
+    assert fp32.stats()["noise_ratio"] == pytest.approx(1.0, abs=1e-6)

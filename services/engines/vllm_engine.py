@@ -1,0 +1,141 @@
+"""The vLLM engine behind the engine protocol (engines/base.py): vLLM's offline `LLM` in-process.
+
+One `vllm.LLM` lives as long as the sampler: a version update or a slot switch reloads weights in
+place through the worker extension (engines/vllm_worker.py), never restarts the engine. Sampling
+uses vLLM's own scheduler and sampler with `logprobs_mode="processed_logprobs"`, so the reported
+behaviour log-probs are those of the distribution actually sampled (after temperature, top-k and
+top-p), the quantity the learner's importance weights compare with. Each request carries its own
+seed (sample j of a request with n > 1 draws from seed + j, vLLM's rule) and a `cache_salt` of
+(version, slot, mean checksum), so the prefix cache can never reuse KV state computed under other
+weights; switching weights also resets the cache, which frees blocks that no future request can use.
+
+Weights reach the engine once per version, m and σ in fp32: through Ray's object store into
+`load_version` (any device; what runs here), or — `sampler.weight_transfer = "nccl"` on CUDA —
+from the learner over the NCCL group vLLM's RL weight-transfer API sets up (`LLM(...,
+weight_transfer_config=WeightTransferConfig(backend="nccl"))`, `init_weight_transfer_engine`), with
+the worker extension receiving m and σ itself instead of letting vLLM load them as the served weights
+(the served weights are θ̂, built on the worker). That path is written to vLLM's documented API and
+has not run here (no CUDA).
+
+Settings come from `[sampler]`: dtype, eager mode, KV-cache size on CPU, GPU memory fraction, tensor
+parallel size, max model length, batch size (max_num_seqs). On CPU, vLLM's process-wide thread
+binding is switched off (`VLLM_CPU_OMP_THREADS_BIND=nobind`) and the engine runs with
+`sampler.threads` torch threads, like the hf engine; the engine core runs in this process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so (m, σ) reach the worker by reference.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from threepo.services.engines.base import (EngineRequest, GeneratedSample, SamplerConfig, ServeReport,
+                                           WeightsMismatch)
+from threepo.services.messages import NoiseSpec, SamplingParams
+
+WORKER_EXTENSION = "threepo.services.engines.vllm_worker.ThreepoWorkerExtension"
+
+
+def configure_environment(cfg: SamplerConfig) -> None:
+    """vLLM reads these once, at import or engine start: set them before either."""
+    import torch
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if cfg.tensor_parallel_size == 1 else "1"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    torch.set_num_threads(cfg.threads)  # vLLM's CPU worker disables set_num_threads once it starts
+
+
+class VLLMEngine:
+    """Serves one policy of a local HF checkpoint with vLLM; see the module docstring."""
+
+    def __init__(self, model_path: str, cfg: SamplerConfig, *, engine_id: int = 0, dtype: str = "float32"):
+        configure_environment(cfg)
+        from vllm import LLM
+
+        self.cfg, self.engine_id = cfg, engine_id
+        self.dtype = dtype if cfg.dtype == "auto" else cfg.dtype
+        extra = {}
+        if cfg.weight_transfer == "nccl":
+            from vllm.config import WeightTransferConfig
+
+            extra["weight_transfer_config"] = WeightTransferConfig(backend="nccl")
+        self.llm = LLM(model=model_path, dtype=self.dtype, seed=cfg.seed, enforce_eager=cfg.enforce_eager,
+                       logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
+                       gpu_memory_utilization=cfg.gpu_memory_utilization,
+                       tensor_parallel_size=cfg.tensor_parallel_size, max_num_seqs=cfg.batch_size,
+                       max_model_len=cfg.max_model_len or None, enable_prefix_caching=True, **extra)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.version, self.mean_checksum, self.paused = 0, "", False
+        self.report = ServeReport(0, None, "", True, 1.0, detail="checkpoint as loaded by vLLM")
+        self.starts = 1  # constant: a version or slot never restarts the engine
+
+    def load_version(self, version: int, mean: Mapping[str, np.ndarray],
+                     sigma: Mapping[str, np.ndarray] | None, mean_checksum: str) -> None:
+        received = self.llm.collective_rpc("threepo_load_version", args=(version, dict(mean),
+                                                                         None if sigma is None else dict(sigma),
+                                                                         mean_checksum))
+        wrong = [c for c in received if c != mean_checksum]
+        if wrong:
+            raise WeightsMismatch(f"engine {self.engine_id}: the mean of version {version} has checksum "
+                                  f"{wrong[0]} on a worker, the learner published {mean_checksum}")
+        self.version, self.mean_checksum = version, mean_checksum
+        self.llm.reset_prefix_cache()
+        self.report = ServeReport(version, None, mean_checksum, self.verify(), 1.0)
+
+    def serve(self, noise: NoiseSpec) -> ServeReport:
+        if noise.posterior_version != self.version or not self.mean_checksum:
+            raise ValueError(f"engine {self.engine_id} holds version {self.version}, asked to serve "
+                             f"{noise.posterior_version}: load_version first")
+        results = self.llm.collective_rpc("threepo_serve", args=(noise.seed,))
+        self.llm.reset_prefix_cache()
+        intended = sum(r["noise_intended"] for r in results)
+        ratio = math.sqrt(sum(r["noise_served"] for r in results) / intended) if intended else 1.0
+        self.report = ServeReport(self.version, noise.seed, self.mean_checksum,
+                                  all(r["loaded_ok"] for r in results), ratio)
+        return self.report
+
+    def encode(self, prompt: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(prompt, add_special_tokens=False))
+
+    def generate(self, requests: Sequence[EngineRequest], params: SamplingParams) -> list[list[GeneratedSample]]:
+        from vllm import SamplingParams as VllmParams
+        from vllm.inputs import TokensPrompt
+
+        if self.paused:
+            raise RuntimeError(f"engine {self.engine_id} is paused: resume() before generate")
+        salt = f"v{self.version}-s{self.report.seed}-{self.mean_checksum[:8]}"
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids), cache_salt=salt) for r in requests]
+        sampling = [VllmParams(n=r.n, seed=r.seed % (1 << 63), temperature=params.temperature,
+                               top_p=params.top_p, top_k=params.top_k, max_tokens=params.max_new_tokens,
+                               logprobs=0, detokenize=True, skip_special_tokens=True)
+                    for r in requests]
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        return [[_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+
+    def verify(self) -> bool:
+        return all(self.llm.collective_rpc("threepo_verify"))
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def close(self) -> None:
+        import gc
+
+        del self.llm
+        gc.collect()
+
+
+def _sample(c) -> GeneratedSample:
+    """One vLLM CompletionOutput: the sampled token's processed log-prob at each position."""
+    logprobs = tuple(float(step[token].logprob) for token, step in zip(c.token_ids, c.logprobs))
+    finish = "stop" if c.finish_reason == "stop" else "length"
+    return GeneratedSample(token_ids=tuple(c.token_ids), logprobs=logprobs, finish_reason=finish, text=c.text)

@@ -1,0 +1,121 @@
+"""The worker extension threepo mixes into every vLLM worker (`LLM(worker_extension_cls=...)`).
+
+vLLM builds its worker class with this one as an extra base, so these methods run inside each worker
+process (one per tensor-parallel rank), next to the model on the worker's device, and are called
+through `LLM.collective_rpc`. They hold the version's fp32 mean m and σ on that device, build
+θ̂ = m + σ ⊙ z(seed, name) there from HF parameter names (`algorithms.param_noise`, exactly as the
+learner builds it) and hand θ̂ to vLLM's own reload path (`Worker.reload_weights` with checkpoint-
+format tensors): fusing q/k/v and gate/up, sharding across ranks, vocabulary padding and the CPU
+backend's oneDNN re-packing are vLLM's business, not ours.
+
+The weight check: the mean's exact checksum is recomputed here on receipt; after each load, a
+layout-invariant fingerprint (`param_noise.value_fingerprint`) of what the model now holds is
+compared with the fingerprint of the tensors fed to it (exact on one rank; with tensor parallelism
+replicated tensors are counted once per rank, so only the unchanged-since-load check applies), and
+`threepo_verify` re-reads the served weights and compares them with the fingerprint taken at load.
+Weights the CPU backend packed into oneDNN (its fp32 Linear layers keep an empty `weight`; a tied
+lm_head keeps its weight and a packed copy) are read back through the layer's own matmul with an
+identity matrix — exact in fp32, and cheap only for the small models one serves on CPU. vLLM's
+reload skips a tied lm_head, whose packed copy would then keep the old weights (logits of the
+previous policy): `_repack_tied_cpu_weights` re-packs it, and the check compares every packed copy
+with its weight.
+
+Not here: scheduling, sampling or versions (services/engines/vllm_engine.py). Importing this module
+imports only torch and threepo.algorithms (vLLM imports it inside every worker).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from threepo.algorithms import param_noise
+
+
+class ThreepoWorkerExtension:
+    """Methods added to vLLM's worker; state lives in `_threepo_*` attributes of the worker."""
+
+    def threepo_load_version(self, version: int, mean: dict, sigma: dict | None, mean_checksum: str) -> str:
+        """Hold (m, σ) of `version` on this worker's device and serve the mean; return the checksum
+        of the mean as received. A mean whose checksum differs from `mean_checksum` is not taken
+        (the worker keeps what it held); the caller raises."""
+        held = {n: torch.as_tensor(np.asarray(a, dtype=np.float32)).to(self.device) for n, a in mean.items()}
+        received = param_noise.weights_checksum(held.items())
+        if received != mean_checksum:
+            return received
+        self._threepo_mean = held
+        self._threepo_sigma = None if sigma is None else {
+            n: torch.as_tensor(np.asarray(a, dtype=np.float32)).to(self.device) for n, a in sigma.items()}
+        self._threepo_version = version
+        self.threepo_serve(None)
+        return received
+
+    def threepo_serve(self, seed: int | None) -> dict:
+        """Load θ̂ = m + σ ⊙ z(seed) (seed None: the mean) through vLLM's reload path; report whether
+        the model holds exactly what was fed, and the served / intended noise energies."""
+        dtype = self.model_config.dtype
+        sigma = self._threepo_sigma or {}
+        served, noise_served, noise_intended = {}, 0.0, 0.0
+        for name, m in self._threepo_mean.items():
+            theta = param_noise.perturbed(m, sigma[name], seed, name) if seed is not None else m
+            served[name] = theta.to(dtype)
+            if seed is not None:
+                a, b = param_noise.served_noise_ratio(m, theta, dtype)
+                noise_served, noise_intended = noise_served + a, noise_intended + b
+        self.reload_weights(weights_iterator=iter(list(served.items())), is_checkpoint_format=True)
+        _repack_tied_cpu_weights(self.model_runner.get_model())
+        expected = param_noise.value_fingerprint(served.values())
+        self._threepo_loaded = self._threepo_fingerprint()
+        single_rank = self.parallel_config.tensor_parallel_size == 1
+        matches = self._threepo_loaded[:2] == expected if single_rank else True
+        return {"loaded_ok": matches and self._threepo_loaded[2],
+                "noise_served": noise_served, "noise_intended": noise_intended}
+
+    def threepo_verify(self) -> bool:
+        """Are the served weights still exactly those loaded by the last `threepo_serve`?"""
+        now = self._threepo_fingerprint()
+        return now[2] and now == self._threepo_loaded
+
+    def threepo_corrupt_for_test(self, scale: float) -> str:
+        """Fault injection for tests: scale one element of the first readable weight in place."""
+        for name, p in self.model_runner.get_model().named_parameters():
+            if p.numel():
+                with torch.no_grad():
+                    p.view(-1)[0] *= scale
+                return name
+        raise RuntimeError("no readable parameter to corrupt")
+
+    def _threepo_fingerprint(self) -> tuple[int, int, bool]:
+        """Fingerprint of the served weights as the forward pass uses them, and whether every CPU
+        packed copy of a readable weight (a tied lm_head's oneDNN copy) still equals that weight."""
+        tensors, seen, consistent = [], set(), True
+        for module in self.model_runner.get_model().modules():
+            for pname, p in module.named_parameters(recurse=False):
+                packed = pname == "weight" and hasattr(module, "cpu_linear")
+                if packed and p.numel():  # a tied lm_head: its packed copy must equal the weight
+                    consistent &= torch.equal(_packed_weight(module, p.dtype, p.shape[1]), p.detach())
+                if id(p) in seen:
+                    continue  # tied weights count once, as in the fed checkpoint
+                seen.add(id(p))
+                tensors.append(_packed_weight(module, p.dtype, module.input_size_per_partition)
+                               if packed and p.numel() == 0 else p)
+        return (*param_noise.value_fingerprint(tensors), consistent)
+
+
+def _repack_tied_cpu_weights(model: torch.nn.Module) -> None:
+    """vLLM's reload skips a tied lm_head (its weight is the embedding's, already loaded), so on CPU
+    its oneDNN copy would keep the old values: re-run the layer's post-load step for every CPU layer
+    that keeps a readable weight next to a packed copy."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and weight is not None and weight.numel():
+            module.quant_method.process_weights_after_loading(module)
+
+
+@torch.inference_mode()
+def _packed_weight(layer: torch.nn.Module, dtype: torch.dtype, in_features: int) -> torch.Tensor:
+    """W [N, K] as a CPU layer's own matmul sees it (vLLM packs fp32 Linear weights into oneDNN and
+    leaves `weight` empty): the matmul of I_K gives I · Wᵀ = Wᵀ exactly (products with 1 and sums
+    with 0 are exact in floating point)."""
+    eye = torch.eye(in_features, dtype=dtype)
+    return layer.cpu_linear(eye, layer.weight, None).t()
