@@ -1,0 +1,110 @@
+"""Engines under the conformance suite, one per backend per session.
+
+`hf` runs in-process. `vllm` runs inside a Ray actor on the session cluster — where a sampler runs
+it — so that vLLM's process-wide settings (it disables torch.set_num_threads, freezes the GC, sets
+up torch.distributed) never leak into the test process; `RemoteEngine` forwards each protocol call.
+`sglang` is built only where the `sglang` package imports (a CUDA machine); elsewhere its tests are
+skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from threepo.services.engines.base import SamplerConfig
+
+# sglang_fake: the real SGLang adapter and loaders over a fake of sglang.Engine's documented calls
+BACKENDS = ("hf", "vllm", "sglang", "sglang_fake")
+CFG = dict(batch_size=32, seed=0, max_new_tokens=12)
+
+
+class EngineHost:
+    """A Ray actor holding one engine; `call` runs a protocol method, `rpc` a vLLM worker method."""
+
+    def __init__(self, backend: str, path: str, cfg: SamplerConfig) -> None:
+        import os
+
+        from threepo.deploy.actors import make_engine
+
+        self.pid = os.getpid()
+        self.engine = make_engine(path, cfg, 0, "float32")
+
+    def call(self, method: str, *args):
+        return getattr(self.engine, method)(*args)
+
+    def rpc(self, method: str, *args):
+        return self.engine.llm.collective_rpc(method, args=args)
+
+    def identity(self) -> tuple[int, int]:
+        """(process id, id of the backend's engine object): unchanged unless the engine restarted."""
+        return self.pid, id(self.engine.llm)
+
+
+class RemoteEngine:
+    """The engine protocol over an `EngineHost` actor."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    def __getattr__(self, method):
+        import ray
+
+        return lambda *args: ray.get(self.actor.call.remote(method, *args))
+
+    def rpc(self, method, *args):
+        import ray
+
+        return ray.get(self.actor.rpc.remote(method, *args))
+
+    def identity(self):
+        import ray
+
+        return ray.get(self.actor.identity.remote())
+
+
+def _missing(backend: str) -> str | None:
+    module = {"vllm": "vllm", "sglang": "sglang"}.get(backend)
+    if module and importlib.util.find_spec(module) is None:
+        return (f"{module} is not installed here" + (" (CUDA-only wheels; feasibility.md)" if module == "sglang"
+                                                     else " (install: README, 'vLLM engine on CPU')"))
+    if backend == "sglang":
+        import torch
+
+        if not torch.cuda.is_available():
+            return "sglang needs a CUDA device"
+    return None
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def engine(request, tiny_dense_path):
+    backend = request.param
+    reason = _missing(backend)
+    if reason:
+        pytest.skip(f"{backend}: {reason}")
+    cfg = SamplerConfig(backend=backend.removesuffix("_fake"), **CFG)
+    if backend == "sglang_fake":
+        from fake_sglang import FakeSGLangEngine
+
+        from threepo.services.engines.sglang_engine import SGLangEngine
+
+        eng = SGLangEngine(tiny_dense_path, cfg, engine_factory=FakeSGLangEngine)
+        eng.identity = lambda: (0, id(eng.engine))
+        yield backend, eng
+        return
+    if backend == "hf":
+        from threepo.services.engines.hf import HFEngine
+
+        eng = HFEngine(tiny_dense_path, cfg)
+        eng.identity = lambda: (0, id(eng.model))
+        yield backend, eng
+        return
+    ray = request.getfixturevalue("ray_session")
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    actor = ray.remote(EngineHost).options(num_cpus=0).remote(backend, tiny_dense_path, cfg)
+    remote = RemoteEngine(actor)
+    remote.identity()  # wait for the engine to start
+    yield backend, remote
+    ray.kill(actor)
