@@ -26,7 +26,7 @@ from threepo.services.errors import UserInputError
 from threepo.services.evaluation import EvalConfig
 from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig, VP2OConfig
 from threepo.services.modeling import ModelConfig
-from threepo.services.tasks import TaskConfig
+from threepo.services.tasks import TaskConfig, max_new_tokens_for
 from threepo.services.verifier_pool import VerifierConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
@@ -121,6 +121,9 @@ class RunConfig:
         from threepo.services.learner_config import check_combination
 
         check_combination(self.algo, self.optim, self.model.kind)
+        if not self.sampler.max_new_tokens:  # 0: the generation limit follows the task tier
+            limit = max_new_tokens_for(self.task.family, self.task.difficulty)
+            object.__setattr__(self, "sampler", dataclasses.replace(self.sampler, max_new_tokens=limit))
 
 
 class ConfigError(UserInputError):

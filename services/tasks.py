@@ -16,6 +16,7 @@ written separately; it plugs into `FAMILIES` below).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import random
 from collections.abc import Callable
@@ -87,6 +88,17 @@ def generate_items(family: str, split: str, n: int, *, seed: int = 0,
         uid = f"{family}/d{difficulty}/{split}/s{seed}/{len(items)}"
         items.append(dataclasses.replace(item, uid=uid))
     return items
+
+
+@functools.lru_cache(maxsize=None)
+def max_new_tokens_for(family: str, difficulty: int) -> int:
+    """The generation limit of a task tier (what `sampler.max_new_tokens = 0` resolves to): the
+    longest reference completion over 2,000 train items (one token per character, `CHARSET`) plus
+    EOS, plus a quarter for longer valid answers, rounded up to a multiple of 8, at least 16.
+    arith: 16 at every level; countdown: 24, 32; code: 32, 48, 64."""
+    items = generate_items(family, "train", 2000, seed=0, difficulty=difficulty)
+    longest = max(len(expected_completion(item)) for item in items)
+    return max(16, -(-(longest + 1 + -(-longest // 4)) // 8) * 8)
 
 
 def split_of(key: str) -> str:
