@@ -54,7 +54,7 @@ def save_tiny(directory: str) -> str:
     from threepo.services.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
-    cfg = ModelConfig(kind="dense", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+    cfg = ModelConfig(kind="dense", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                       intermediate_size=128)
     model = build_model(cfg, vocab_size=72, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, seed=0)
     model.save_pretrained(directory)

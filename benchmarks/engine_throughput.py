@@ -23,12 +23,13 @@ MAX_NEW_TOKENS = 16
 def measure(engine, prompts: list, seconds: float, deadline: float | None = None) -> tuple[int, float]:
     """(generated tokens, elapsed seconds) of repeated generate calls over `prompts`; with `deadline`
     (a time.time() value) calls run until then instead of for `seconds`."""
+    from threepo.services.engines.hf import prompt_requests
     from threepo.services.messages import SamplingParams
 
     params = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, n=1)
     tokens, calls, start = 0, 0, time.perf_counter()
     while True:
-        out = engine.generate(prompts, params, seed=calls)
+        out = engine.generate(prompt_requests(engine.tokenizer, prompts, 1, seed=calls), params)
         tokens += sum(len(s.token_ids) for per_prompt in out for s in per_prompt)
         calls += 1
         now = time.perf_counter()

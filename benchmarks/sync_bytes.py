@@ -19,12 +19,17 @@ import _common
 
 def server_bytes(model: str, cfg, n_slots: int) -> int:
     """bytes_of the first version of a PosteriorServer planning C3PO with `n_slots` slots."""
+    import torch
+
+    from threepo.algorithms.param_noise import weights_checksum
     from threepo.services.messages import PublishedVersion
     from threepo.services.posterior import PosteriorConfig, PosteriorServer
 
     mean, sigma = _common.posterior_arrays(model, cfg)
+    checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
     server = PosteriorServer(PosteriorConfig(kind="c3po", group_size=cfg.algo.group_size, n_slots=n_slots))
-    plan = server.publish(PublishedVersion(version=1, learner_step=0, reason="start", mean=mean, sigma=sigma))
+    plan = server.publish(PublishedVersion(version=1, learner_step=0, reason="start", mean=mean, sigma=sigma,
+                                           mean_checksum=checksum))
     if len(plan.slots) != n_slots:
         raise RuntimeError(f"the plan has {len(plan.slots)} slots, expected {n_slots}")
     return server.bytes_of(1)

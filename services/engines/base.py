@@ -63,10 +63,6 @@ class SamplerConfig:
     """vllm: run eagerly (no torch.compile / CUDA graphs): starts in ~30 s instead of 50–100 s."""
     max_model_len: int = 0
     """vllm/sglang: longest prompt + completion (0 = the model's max_position_embeddings)."""
-    weight_transfer: Literal["object_store", "nccl"] = "object_store"
-    """How (m, σ) of a version reach the engine: through Ray's object store (any device), or over
-    NCCL from the learner (vllm/sglang on CUDA: vLLM's weight-transfer group, SGLang's
-    update-weights group)."""
     min_noise_ratio: float = 0.5
     """Warn (once per version) when the served-noise ratio ‖θ̂_served − m_served‖ / ‖σ ⊙ z‖ falls
     below this: most of the exploration noise rounds away in the served dtype (serve fp32)."""
@@ -93,9 +89,6 @@ class SamplerConfig:
             raise ValueError(f"sampler.kv_cache_gib: expected > 0, got {self.kv_cache_gib}")
         if not 0 <= self.min_noise_ratio <= 1:
             raise ValueError(f"sampler.min_noise_ratio: expected in [0, 1], got {self.min_noise_ratio}")
-        if self.weight_transfer == "nccl" and self.backend == "hf":
-            raise ValueError("sampler.weight_transfer=nccl: the hf engine takes versions through the "
-                             "object store; use backend vllm or sglang on CUDA")
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,9 @@ SGLang runs inside every tensor-parallel worker as `loader(model, named_tensors)
   compares the fingerprint of what the model holds with what it fed; `flush_cache=True` empties the
   radix cache, so no KV state computed under other weights is reused;
 - `verify` sends load_format `verify`: each worker re-reads its served weights.
-A worker that finds a mismatch raises, which SGLang reports as an unsuccessful update.
-On CUDA with `sampler.weight_transfer = "nccl"` the mean arrives over
-`init_weights_update_group(...)` + `update_weights_from_distributed(names, dtypes, shapes,
-group_name, flush_cache=False, load_format=<store loader>)` instead of the object store.
+A worker that finds a mismatch raises, which the adapter treats as a failed check. (SGLang's
+`init_weights_update_group` + `update_weights_from_distributed(..., load_format=<store loader>)`
+would bring m and σ over NCCL instead of through the object store; not used yet.)
 
 Log-probs: SGLang reports each sampled token's log-prob after temperature scaling
 (`SGLANG_RETURN_ORIGINAL_LOGPROB` unset); whether they are renormalised after top-k/top-p is what

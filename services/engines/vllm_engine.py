@@ -9,13 +9,10 @@ seed (sample j of a request with n > 1 draws from seed + j, vLLM's rule) and a `
 (version, slot, mean checksum), so the prefix cache can never reuse KV state computed under other
 weights; switching weights also resets the cache, which frees blocks that no future request can use.
 
-Weights reach the engine once per version, m and σ in fp32: through Ray's object store into
-`load_version` (any device; what runs here), or — `sampler.weight_transfer = "nccl"` on CUDA —
-from the learner over the NCCL group vLLM's RL weight-transfer API sets up (`LLM(...,
-weight_transfer_config=WeightTransferConfig(backend="nccl"))`, `init_weight_transfer_engine`), with
-the worker extension receiving m and σ itself instead of letting vLLM load them as the served weights
-(the served weights are θ̂, built on the worker). That path is written to vLLM's documented API and
-has not run here (no CUDA).
+Weights reach the engine once per version, m and σ in fp32, through Ray's object store into
+`load_version`; each worker copies them to its device once. (vLLM's RL weight-transfer API over
+NCCL/IPC, which would skip the host copy on GPU clusters, is not used yet: it loads what it receives
+as the served weights, while threepo must hand the workers m and σ and build θ̂ there.)
 
 Settings come from `[sampler]`: dtype, eager mode, KV-cache size on CPU, GPU memory fraction, tensor
 parallel size, max model length, batch size (max_num_seqs). On CPU, vLLM's process-wide thread
@@ -60,16 +57,11 @@ class VLLMEngine:
 
         self.cfg, self.engine_id = cfg, engine_id
         self.dtype = dtype if cfg.dtype == "auto" else cfg.dtype
-        extra = {}
-        if cfg.weight_transfer == "nccl":
-            from vllm.config import WeightTransferConfig
-
-            extra["weight_transfer_config"] = WeightTransferConfig(backend="nccl")
         self.llm = LLM(model=model_path, dtype=self.dtype, seed=cfg.seed, enforce_eager=cfg.enforce_eager,
                        logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
                        gpu_memory_utilization=cfg.gpu_memory_utilization,
                        tensor_parallel_size=cfg.tensor_parallel_size, max_num_seqs=cfg.batch_size,
-                       max_model_len=cfg.max_model_len or None, enable_prefix_caching=True, **extra)
+                       max_model_len=cfg.max_model_len or None, enable_prefix_caching=True)
         self.tokenizer = self.llm.get_tokenizer()
         self.version, self.mean_checksum, self.paused = 0, "", False
         self.report = ServeReport(0, None, "", True, 1.0, detail="checkpoint as loaded by vLLM")
