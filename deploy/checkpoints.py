@@ -10,18 +10,22 @@ resolved config.
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
+import time
 
 import numpy as np
 
 from threepo.services import checkpoint as ckpt
 from threepo.services.errors import MissingPathError
+from threepo.services.metrics import CATALOGUE, Metrics
 
 
-def save(s, run_dir: str) -> str:
-    """Checkpoint the learner, the posterior server and the driver state of loop `s`."""
+def save(s, run_dir: str, metrics: Metrics | None = None) -> str:
+    """Checkpoint the learner, the posterior server and the driver state of loop `s`; the time the
+    write takes goes to `threepo_checkpoint_seconds` (on `metrics`, by default the driver's Ray metrics)."""
     import ray
 
     tensors, learner_meta = ray.get(s.roles.learner.state.remote())
@@ -48,8 +52,29 @@ def save(s, run_dir: str) -> str:
         "config.toml": config_bytes,
     }
     meta = {"rng": _jsonable(ckpt.capture_rng_state()), "version": s.version}
-    return str(ckpt.write_checkpoint(os.path.join(run_dir, "checkpoints"), s.step, files, meta,
-                                     keep=s.cfg.runtime.keep_checkpoints))
+    return timed_write(os.path.join(run_dir, "checkpoints"), s.step, files, meta,
+                       keep=s.cfg.runtime.keep_checkpoints, metrics=metrics)
+
+
+def timed_write(directory: str, step: int, files: dict, meta: dict, *, keep: int,
+                metrics: Metrics | None = None) -> str:
+    """`services.checkpoint.write_checkpoint`, its duration observed as `threepo_checkpoint_seconds`."""
+    started = time.perf_counter()
+    path = ckpt.write_checkpoint(directory, step, files, meta, keep=keep)
+    _checkpoint_seconds(metrics).observe(time.perf_counter() - started)
+    return str(path)
+
+
+@functools.cache
+def _driver_metrics() -> Metrics:
+    from threepo.deploy.metrics import RayMetrics
+
+    return RayMetrics()
+
+
+def _checkpoint_seconds(metrics: Metrics | None):
+    spec = next(m for m in CATALOGUE if m.name == "threepo_checkpoint_seconds")
+    return (metrics or _driver_metrics()).histogram(spec.name, spec.doc, spec.labels, spec.buckets)
 
 
 def load(path: str) -> dict:

@@ -78,9 +78,14 @@ class RuntimeConfig:
     sampling temperature (0 = only the before/after evaluation of `threepo train`)."""
     ray_address: str = ""
     """Ray cluster to join ('' = start a local one; 'auto' = the cluster this runs in)."""
-    metrics_port: int = 0
+    metrics_port: int = 8090
     """Local clusters only: the port of Ray's metrics agent, where Prometheus scrapes every role's
-    `threepo_*` metrics (0 = Ray picks one; a joined cluster keeps its own)."""
+    `threepo_*` metrics (`http://127.0.0.1:8090/metrics` by default). When it is taken (another run
+    on this machine) Ray picks a free one and the driver prints which; 0 = always a free one. A
+    joined cluster keeps its own (KubeRay: 8080 on every node)."""
+    metrics_host: Literal["127.0.0.1", "0.0.0.0"] = "127.0.0.1"
+    """Local clusters only: 127.0.0.1 keeps the metrics port (and the rest of the local Ray cluster)
+    on loopback; 0.0.0.0 serves it on every interface, for a Prometheus on another machine."""
     max_reissues: int = 5
     """A request re-issued more often than this (crashes, checksum mismatches, infra errors) stops the run."""
     log_rollouts: bool = True
@@ -92,6 +97,8 @@ class RuntimeConfig:
                 raise ValueError(f"runtime.{name}: expected >= 1, got {getattr(self, name)}")
         if self.max_offpolicy < 0:
             raise ValueError(f"runtime.max_offpolicy: expected >= 0, got {self.max_offpolicy}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"runtime.metrics_port: expected a port in [0, 65535], got {self.metrics_port}")
 
 
 @dataclass(frozen=True)

@@ -67,3 +67,32 @@ class RayMetrics:
                   buckets: Sequence[float] = SECONDS_BUCKETS) -> Histogram:
         spec = MetricSpec("histogram", name, doc, tuple(labels), tuple(float(b) for b in buckets))
         return self._cache.get(spec, _make)
+
+
+class RestartCounter:
+    """Restarts of restartable actors as the driver sees them: a new incarnation (the id an actor
+    draws when it starts, e.g. `SamplerActor.incarnation`) answering for the same role and index.
+    Failed calls are not restarts: the nine calls in flight when one sampler dies are one restart.
+
+        restarts.observe("sampler", i, incarnation)        # on every answer of sampler i
+        metrics["threepo_actor_restarts_total"].inc(restarts.take("sampler"), role="sampler")
+    """
+
+    def __init__(self) -> None:
+        self._incarnation: dict[tuple[str, int], str] = {}
+        self._unreported: dict[str, int] = {}
+        self.total: dict[str, int] = {}
+
+    def observe(self, role: str, index: int, incarnation: str) -> bool:
+        """Record who answered; True when it is a restart (another incarnation answered before)."""
+        previous = self._incarnation.setdefault((role, index), incarnation)
+        if previous == incarnation:
+            return False
+        self._incarnation[(role, index)] = incarnation
+        self._unreported[role] = self._unreported.get(role, 0) + 1
+        self.total[role] = self.total.get(role, 0) + 1
+        return True
+
+    def take(self, role: str) -> int:
+        """Restarts of `role` seen since the last `take` (what to add to the counter)."""
+        return self._unreported.pop(role, 0)

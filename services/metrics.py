@@ -197,8 +197,9 @@ class PrometheusMetrics:
 
         return generate_latest(self.registry).decode()
 
-    def serve(self, port: int = 0, addr: str = "0.0.0.0") -> int:
-        """Serve `/metrics` on `addr:port` from a daemon thread; port 0 picks a free port. Returns the port."""
+    def serve(self, port: int = 0, addr: str = "127.0.0.1") -> int:
+        """Serve `/metrics` on `addr:port` from a daemon thread; port 0 picks a free port. Returns the
+        port. Loopback by default; pass addr="0.0.0.0" for a Prometheus on another machine."""
         from prometheus_client import start_http_server
 
         if self._server is not None:
