@@ -29,3 +29,9 @@ def test_run_config_resolves_the_limit_from_the_task_unless_set(tmp_path):
     recipe = tmp_path / "resolved.toml"
     recipe.write_text(to_toml(countdown))  # the run directory records the resolved number
     assert load_config(str(recipe)).sampler.max_new_tokens == 24
+
+
+def test_the_hard_countdown_recipe_starts_low_and_samples_with_its_tier_limit():
+    cfg = load_config("countdown_hard")
+    assert (cfg.task.family, cfg.task.difficulty, cfg.bootstrap.target_pass1) == ("countdown", 2, 0.05)
+    assert cfg.sampler.max_new_tokens == 32
