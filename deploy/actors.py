@@ -21,7 +21,7 @@ from threepo.deploy.config import RunConfig
 from threepo.services.engines.base import SamplerConfig
 from threepo.services.learner import Learner
 from threepo.services.posterior import PosteriorConfig, PosteriorServer
-from threepo.services.verifier_pool import VerifierConfig, VerifierPool
+from threepo.services.verifier_pool import VerifierConfig, VerifierPool, auth_token
 
 ACTOR_ENV = {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -85,11 +85,12 @@ class PosteriorActor(PosteriorServer):
 class VerifierActor:
     """The verifier pool behind synchronous methods only: Ray turns an actor with any `async def`
     method into an async actor, whose methods leave the main thread (math-verify's SIGALRM needs it).
-    `remote_sandbox` is built from `[verifier]` (its token read here, from `verifier.auth_env`) and
-    holds a permit of the cluster-wide limiter for each request. `verify_batch` raises
-    `VerifierOutage` (services/verifiers/base.py) when every sandbox endpoint is down past its bound."""
+    `remote_sandbox` is built from `[verifier]` with the `token` the driver read from
+    `verifier.auth_env`, and holds a permit of the cluster-wide limiter for each request.
+    `verify_batch` raises `VerifierOutage` (services/verifiers/base.py) when every sandbox endpoint
+    is down past `verifier.outage_s`."""
 
-    def __init__(self, cfg: VerifierConfig) -> None:
+    def __init__(self, cfg: VerifierConfig, token: str = "") -> None:
         from threepo.deploy.metrics import RayMetrics
 
         def remote_sandbox(config, **options):
@@ -100,7 +101,7 @@ class VerifierActor:
                        if cfg.cluster_concurrency else None)
             return RemoteSandboxVerifier(config, limiter, **options)
 
-        self.pool = VerifierPool(cfg.pool_config(), factories={"remote_sandbox": remote_sandbox},
+        self.pool = VerifierPool(cfg.pool_config(token), factories={"remote_sandbox": remote_sandbox},
                                  metrics=RayMetrics())
 
     def verify_batch(self, requests: list) -> list:
@@ -181,7 +182,7 @@ def start_roles(cfg: RunConfig, policy_path: str, run_id: str, posterior_state: 
     verifiers = [
         ray.remote(VerifierActor).options(num_cpus=rt.verifier_cpus, max_restarts=-1, max_task_retries=-1,
                                          max_concurrency=1, runtime_env=env, name=f"{run_id}-verifier-{i}")
-        .remote(cfg.verifier)
+        .remote(cfg.verifier, auth_token(cfg.verifier.auth_env))
         for i in range(rt.num_verifiers)
     ]
     learner = ray.remote(LearnerActor).options(num_cpus=rt.learner_cpus, runtime_env=env,

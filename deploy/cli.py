@@ -83,11 +83,18 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def check_inputs(cfg) -> None:
-    """Check every path the config names (model, datasets) before anything starts; raises
-    `UserInputError` naming the key, the file and the line."""
+    """Check every path the config names (model, datasets) and the verifier settings that depend
+    on this machine before anything starts; raises `UserInputError` naming the key, file and line."""
     from threepo.services.datasets import load_dataset
     from threepo.services.errors import UserInputError
     from threepo.services.modeling import check_checkpoint_dir
+    from threepo.services.verifier_pool import auth_token
+    from threepo.services.verifiers.base import available_verifiers
+
+    auth_token(cfg.verifier.auth_env)
+    unknown = sorted({target for _, target in cfg.verifier.route} - set(available_verifiers()))
+    if unknown:
+        raise UserInputError(f"verifier.route: unknown verifier {unknown[0]!r}; expected one of {available_verifiers()}")
 
     if cfg.model.path:
         check_checkpoint_dir(cfg.model.path)
@@ -182,12 +189,13 @@ def evaluate_policy(cfg, path: str, *, label: str):
 
     from threepo.services.engines.base import SamplerConfig
     from threepo.services.engines.hf import HFEngine, generate_text
-    from threepo.services.evaluation import evaluate, verifiers_for
+    from threepo.services.evaluation import evaluate
+    from threepo.services.verifier_pool import load_verifiers
 
     items = eval_items(cfg)
     engine = HFEngine(path, SamplerConfig(threads=cfg.bootstrap.threads, batch_size=cfg.eval.batch_size,
                                           seed=cfg.seed), dtype=cfg.model.dtype)
-    verifiers = verifiers_for(items)
+    verifiers = load_verifiers(cfg.verifier, [it.verifier for it in items])
 
     def policy(prompts, params):
         return generate_text(engine.model, engine.tokenizer, prompts, params, batch_size=cfg.eval.batch_size,

@@ -29,7 +29,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +95,7 @@ class VerifierPoolConfig:
 @dataclass(frozen=True)
 class VerifierConfig:
     """The run's `[verifier]` section: who scores which rows, and how the remote sandbox is called.
+    No field holds a secret: the token is read from the environment variable named by `auth_env`.
 
     The remote fields configure the `remote_sandbox` verifier (services/verifiers/remote.py, where
     the retry, breaker and outage rules are spelled out); a row reaches it by naming it or by
@@ -106,8 +107,8 @@ class VerifierConfig:
     endpoints: tuple[str, ...] = ("http://127.0.0.1:8080",)
     """Remote sandbox base URLs (SandboxFusion API), used round-robin."""
     auth_env: str = ""
-    """Name of the environment variable holding the sandbox's bearer token ('' = no token); the
-    token itself is never part of a config file."""
+    """Name of the environment variable (in the driver's environment) holding the sandbox's bearer
+    token ('' = no token); the token itself is never part of a config file."""
     auth_header: str = "Authorization"
     """Header that carries the token."""
     compile_timeout_s: float = 10.0
@@ -163,8 +164,7 @@ class VerifierConfig:
                                   options=(("remote_sandbox", "config", self.remote_config(token)),))
 
     def remote_config(self, token: str | None = None) -> RemoteSandboxConfig:
-        """The remote sandbox client's settings; the token is read from `auth_env` now (in the
-        process that will call the sandbox) unless given."""
+        """The remote sandbox client's settings; the token is read from `auth_env` now unless given."""
         from threepo.services.verifiers.remote import RemoteSandboxConfig
 
         if token is None:
@@ -181,16 +181,24 @@ class VerifierConfig:
             raise ValueError(str(err).replace("RemoteSandboxConfig.", "verifier.")) from None
 
 
+def load_verifiers(cfg: VerifierConfig, names: Iterable[str], token: str | None = None) -> dict[str, Verifier]:
+    """One verifier per row verifier name in `names`, routed and configured as the pool would (for
+    evaluations that score outside a pool); keys are the names rows carry."""
+    pool = cfg.pool_config(token)
+    return {name: load_verifier(pool.routed(name), **pool.options_of(pool.routed(name))) for name in sorted(set(names))}
+
+
 def auth_token(env_name: str) -> str:
     """The token in environment variable `env_name` ('' when no name is given); a name that is not
-    set is an error naming `verifier.auth_env`."""
+    set is an error naming `verifier.auth_env`. A run reads it in the driver's environment and
+    hands it to the verifier actors when it creates them; it is never written to the run's files."""
     import os
 
     if not env_name:
         return ""
     if env_name not in os.environ:
-        raise UserInputError(f"verifier.auth_env={env_name!r}: the environment variable is not set "
-                             "(in the process that calls the sandbox); expected it to hold the token")
+        raise UserInputError(f"verifier.auth_env={env_name!r}: the environment variable is not set; "
+                             "expected it to hold the sandbox's token")
     return os.environ[env_name]
 
 

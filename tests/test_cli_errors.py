@@ -100,6 +100,11 @@ def test_other_mistakes_a_new_user_makes(runs, tmp_path):
     one_line_error(threepo("train", "runtime.steps=ten"), "runtime.steps", "expected int")
     one_line_error(threepo("train", "runtime.steps=0"), "runtime.steps", ">= 1")
     one_line_error(threepo("train", "task.family=chess"), "family", "arith")
+    env_var = "THREEPO_TEST_UNSET_TOKEN_VARIABLE"
+    assert env_var not in os.environ
+    one_line_error(threepo("train", f"verifier.auth_env={env_var}"), "verifier.auth_env", "not set")
+    one_line_error(threepo("train", 'verifier.route=[["code_output", "remote_sandbx"]]'),
+                   "verifier.route", "'remote_sandbx'", "remote_sandbox")
     a_file = tmp_path / "file"
     a_file.write_text("")
     one_line_error(threepo("eval", f"runs_dir={a_file}", "model.path=/no/such"), "model.path")
