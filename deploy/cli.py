@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import sys
 import time
 
@@ -88,6 +89,7 @@ def check_inputs(cfg) -> None:
     from threepo.services.datasets import load_dataset
     from threepo.services.errors import UserInputError
     from threepo.services.modeling import check_checkpoint_dir
+    from threepo.services.tasks import generate_items
     from threepo.services.verifier_pool import auth_token
     from threepo.services.verifiers.base import available_verifiers
 
@@ -95,24 +97,28 @@ def check_inputs(cfg) -> None:
     unknown = sorted({target for _, target in cfg.verifier.route} - set(available_verifiers()))
     if unknown:
         raise UserInputError(f"verifier.route: unknown verifier {unknown[0]!r}; expected one of {available_verifiers()}")
-
     if cfg.model.path:
         check_checkpoint_dir(cfg.model.path)
     if cfg.data.heldout_path and not cfg.data.path:
         raise UserInputError("data.heldout_path is set but data.path is not; expected both, or only data.path")
+    rows = [] if cfg.data.path else generate_items(cfg.task.family, "train", 1, seed=cfg.task.seed,
+                                                   difficulty=cfg.task.difficulty)
     for key, path in (("data.path", cfg.data.path), ("data.heldout_path", cfg.data.heldout_path)):
         if path:
             try:
-                load_dataset(path)
+                rows += load_dataset(path)
             except UserInputError as err:
                 raise type(err)(f"{key}: {err}") from None
+    local = {dict(cfg.verifier.route).get(r.verifier, r.verifier) for r in rows} & {"code_output", "code_tests"}
+    if local and shutil.which("bwrap") is None:
+        raise UserInputError(f"rows verified by {sorted(local)} run programs in the local sandbox, which needs "
+                             "bubblewrap: apt-get install -y bubblewrap, or score them remotely with "
+                             "verifier.route=[[\"code_output\", \"remote_sandbox\"]] and verifier.endpoints")
 
 
 @contextlib.contextmanager
 def run_directory(cfg, command: str):
     """`make_run_dir`, removed again if the command fails before writing anything but its config."""
-    import shutil
-
     run_dir = make_run_dir(cfg, command)
     try:
         yield run_dir

@@ -130,3 +130,14 @@ def test_a_failed_command_leaves_no_empty_run_directory(tmp_path):
             f.write('{"step": 1}\n')  # a run that got somewhere keeps its records
         raise RuntimeError("boom")
     assert os.listdir(tmp_path) == [os.path.basename(run_dir)]
+
+
+def test_code_rows_without_bubblewrap_are_named_before_anything_starts(runs, tmp_path):
+    bin_dir = tmp_path / "bin"  # a PATH with python but without bwrap
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    env = {**os.environ, "PATH": str(bin_dir), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "threepo.deploy.cli", "train", "task.family=code",
+                             f"runs_dir={runs}"], capture_output=True, text=True, timeout=120, env=env)
+    one_line_error(result, "['code_output']", "bubblewrap", "remote_sandbox")
+    assert not list(runs.iterdir())

@@ -14,7 +14,8 @@ How it calls (operations.md §3.4, §7 item 6):
   hanging endpoint) counts as a failure of that endpoint and is retried, on the next endpoint;
 - transient failures are retried, with capped exponential backoff and jitter: transport errors,
   timeouts, HTTP 5xx, an unreadable body and `status: SandboxError` (a sandbox-side failure, not
-  a run). Never retried: HTTP 4xx (our request is wrong), and any completed run, whatever its outcome;
+  a run). Never retried: HTTP 4xx (our request is wrong: `infra_error` at once; 401/403, a refused
+  token, raises `SandboxAuthError`), and any completed run, whatever its outcome;
 - a circuit breaker per endpoint: `unhealthy_after` consecutive failures open it for `cooldown_s`;
   then one request (the half-open probe) may try it: success closes it, failure re-opens it. Calls
   that find every endpoint open wait for a probe instead of failing;
@@ -40,6 +41,7 @@ from typing import Any, AsyncContextManager
 
 import aiohttp
 
+from threepo.services.errors import UserInputError
 from threepo.services.messages import VerifyRequest, VerifyResult, VerifyStatus
 from threepo.services.verifiers.base import VerifierOutage
 from threepo.services.verifiers.code_verifiers import prepare, result, score_run
@@ -108,6 +110,11 @@ DEADLINE_HEADER = "X-Threepo-Deadline-S"  # the request's deadline in seconds: t
 
 class SandboxInfraError(RuntimeError):
     """The remote sandbox could not give an answer about the program."""
+
+
+class SandboxAuthError(UserInputError):
+    """HTTP 401/403: the sandbox refuses our token, for every request alike; a setup mistake to
+    fix (`verifier.auth_env`), raised rather than scored, like the other input errors."""
 
 
 class _Retryable(Exception):
@@ -315,6 +322,9 @@ class SandboxClient:
                 text = await resp.text()
                 if resp.status >= 400:  # the endpoint answered: our request is wrong, retrying cannot help
                     self._answered(endpoint)
+                    if resp.status in (401, 403):
+                        raise SandboxAuthError(f"HTTP {resp.status} from {url}: the sandbox refused our token; "
+                                               "expected verifier.auth_env to name a variable holding its token")
                     raise SandboxInfraError(f"HTTP {resp.status} from {url}: {text[:200]}")
         try:
             body = json.loads(text)

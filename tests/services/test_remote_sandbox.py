@@ -13,7 +13,7 @@ from aiohttp import web
 from threepo.services.messages import TaskItem, VerifyRequest, VerifyStatus
 from threepo.services.verifiers.base import VerifierOutage, load_verifier
 from threepo.services.verifiers.remote import (RemoteSandboxConfig, RemoteSandboxVerifier,
-                                               SandboxClient)
+                                               SandboxAuthError, SandboxClient)
 from threepo.services.verifiers.sandbox import SandboxConfig
 from threepo.services.verifiers.sandbox_server import SandboxServerConfig, make_app
 
@@ -34,7 +34,7 @@ class Faults:
     async def middleware(self, request, handler):
         action = self.plan[min(self.seen, len(self.plan) - 1)]
         self.seen += 1
-        if action in ("500", "503"):
+        if action in ("400", "404", "500", "503"):
             return web.Response(status=int(action), text="injected")
         if action == "hang":
             await asyncio.wait_for(self.release.wait(), timeout=30)
@@ -112,12 +112,20 @@ def test_a_service_that_never_answers_is_an_outage_not_a_row_error(plan):
     assert 1.5 <= time.monotonic() - start < 10
 
 
-def test_client_errors_4xx_are_not_retried():
-    r, attempts = verify_with(["ok"], token="s3cret")  # we send no token -> 401
+@pytest.mark.parametrize("status", ["400", "404"])
+def test_client_errors_4xx_are_not_retried(status):
+    r, attempts = verify_with([status, "ok"])
     assert r.status is VerifyStatus.INFRA_ERROR and math.isnan(r.reward)
-    assert attempts == 1 and "401" in r.details
+    assert attempts == 1 and status in r.details
+
+
+def test_a_refused_token_is_a_setup_error_not_a_row_error():
+    with pytest.raises(SandboxAuthError, match="HTTP 401 .* verifier.auth_env"):
+        verify_with(["ok"], token="s3cret")  # we send no token
+    with pytest.raises(SandboxAuthError):
+        verify_with(["ok"], token="s3cret", auth_token="wrong")
     r, attempts = verify_with(["ok"], token="s3cret", auth_token="s3cret")
-    assert r.status is VerifyStatus.OK
+    assert r.status is VerifyStatus.OK and attempts == 1
 
 
 def test_code_tests_through_remote_and_load_by_name():
