@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UserInputError, BootstrapFailed) as err:
         if args.debug:
             raise
+        err = getattr(err, "cause", err)  # raised inside a Ray actor: its own message, not the remote traceback
         kind = "config error: " if isinstance(err, ConfigError) else ""
         print(f"threepo {args.command}: {kind}{err}", file=sys.stderr)
         return 2 if isinstance(err, UserInputError) else 1

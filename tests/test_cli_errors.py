@@ -141,3 +141,20 @@ def test_code_rows_without_bubblewrap_are_named_before_anything_starts(runs, tmp
                              f"runs_dir={runs}"], capture_output=True, text=True, timeout=120, env=env)
     one_line_error(result, "['code_output']", "bubblewrap", "remote_sandbox")
     assert not list(runs.iterdir())
+
+
+def test_an_input_error_raised_inside_a_ray_actor_is_still_one_line(monkeypatch, capsys):
+    from ray.exceptions import RayTaskError
+
+    from threepo.deploy import cli
+    from threepo.services.verifiers.remote import SandboxAuthError
+
+    remote = RayTaskError("VerifierActor.verify_batch", "Traceback (most recent call last):\n  ...",
+                          SandboxAuthError("HTTP 401 from http://sandbox: refused; check verifier.auth_env"))
+
+    def dispatch(args):
+        raise remote.as_instanceof_cause()
+    monkeypatch.setattr(cli, "_dispatch", dispatch)
+    assert cli.main(["train"]) == 2
+    err = capsys.readouterr().err
+    assert err == "threepo train: HTTP 401 from http://sandbox: refused; check verifier.auth_env\n"
