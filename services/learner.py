@@ -1,6 +1,7 @@
 """The learner: owns the training copy of the model and the optimizer state (IVON or AdamW).
 
-`step(groups)` turns complete, scored groups into advantages and the off-policy-corrected loss (all
+`step(groups, batches, scores)` collates complete, scored groups (rows of the step's array batches,
+services/batching.py) once and turns them into advantages and the off-policy-corrected loss (all
 math in algorithms/) and takes `ppo_epochs × mini_batches` optimizer updates, each at the gradient
 point of `exploration.gradient_points` — a fresh posterior sample θ̂′ per update (M3PO: one per slot
 group, K = M Monte-Carlo samples per IVON step), or the mean for GRPO with AdamW. Every update's
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,7 +30,8 @@ from threepo.algorithms.param_noise import weights_checksum
 from threepo.algorithms.rouge import rouge_l_rewards
 from threepo.algorithms.sync_budget import sync_decision
 from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig
-from threepo.services.messages import Group, PublishedVersion, VerifyStatus
+from threepo.services.batching import MALFORMED, TrainBatch, collate
+from threepo.services.messages import CompletionBatch, GroupRows, PublishedVersion, ScoreBatch
 from threepo.services.modeling import load_model, trainable_named_parameters
 from threepo.services.proximal import StartLogprobs
 from threepo.services.vp2o_hooks import VP2OConfig, VP2OHooks
@@ -38,24 +39,13 @@ from threepo.services.vp2o_hooks import VP2OConfig, VP2OHooks
 
 @dataclass(frozen=True)
 class StepResult:
-    """Metrics of one learner step and, when the sync budget fired, the version it publishes."""
+    """Metrics of one learner step and whether the sync budget fired (then `published()` gives the
+    new version's weights; the posterior server numbers it)."""
 
     step: int
     metrics: dict[str, float]
-    publish_version: int | None
+    publish: bool
     publish_reason: str | None
-
-
-@dataclass
-class _Batch:
-    input_ids: torch.Tensor    # [B, L] right-padded prompt + completion
-    attn: torch.Tensor         # [B, L]
-    targets: torch.Tensor      # [B, L-1] next tokens
-    mask: torch.Tensor         # [B, L-1] 1 on completion tokens
-    logp_behav: torch.Tensor   # [B, L-1] behaviour log-probs aligned with targets
-    rewards: torch.Tensor      # [B/G, G]
-    slots: torch.Tensor        # [B/G, G] slot index of each rollout
-    slot_seeds: list           # [B] seed of the slot that sampled each rollout
 
 
 class Learner:
@@ -74,8 +64,7 @@ class Learner:
         self.ref_model = load_model(model_path).eval() if algo.kl_coef else None
         self.opt = self._make_optimizer()
         self.vp2o = VP2OHooks(self.model, vp2o or VP2OConfig()) if algo.vp2o else None
-        self.step_count, self.version, self.steps_since_sync = 0, 0, 0
-        self.version_step = {0: 0}  # published version -> learner step at publish
+        self.step_count, self.steps_since_sync = 0, 0
 
     def _make_optimizer(self):
         o = self.optim_cfg
@@ -87,10 +76,12 @@ class Learner:
                                  weight_decay=o.weight_decay)
 
     # ---- one training step ------------------------------------------------------------------
-    def step(self, groups: Sequence[Group]) -> StepResult:
+    def step(self, groups: Sequence[GroupRows], batches: Sequence[CompletionBatch],
+             scores: Sequence[ScoreBatch]) -> StepResult:
+        """One step on `groups`, whose rows live in the step's `batches` (scored by `scores`)."""
         started = time.perf_counter()
-        batch = self._collate(groups)
-        rewards = self._rewards(batch, groups)
+        batch = collate(groups, batches, scores)
+        rewards = self._rewards(batch)
         keep = adv_math.dynamic_filter(rewards) if self.algo.dynamic_filter else torch.ones(len(groups), dtype=torch.bool)
         updates = self._updates(batch, keep)
         start = self._start_logprobs(batch, updates)
@@ -107,7 +98,7 @@ class Learner:
             vp2o_metrics = self._vp2o_step() if self.vp2o else self._optimizer_step()
         self.step_count += 1
         self.steps_since_sync += 1
-        metrics = {**adv_metrics, **(_mean_dicts(diag) if diag else {}), **self._group_metrics(groups),
+        metrics = {**adv_metrics, **(_mean_dicts(diag) if diag else {}), **self._group_metrics(batch),
                    **vp2o_metrics, **self._drift_metrics(batch, start, updates),
                    "updates": float(len(updates)), "filtered_groups": float((~keep).sum())}
         decision = sync_decision(kl=metrics["kl_k3_drift"], ess_frac=metrics["ess_frac_drift"],
@@ -116,13 +107,10 @@ class Learner:
         if decision.publish:
             if self.vp2o:
                 self.vp2o.on_sync()  # the anchor of the prototype budget moves with the behaviour policy
-            self.version += 1
-            self.version_step[self.version] = self.step_count
             self.steps_since_sync = 0
         metrics["step_time_s"] = time.perf_counter() - started
         metrics.update(self._sigma_metrics())
-        return StepResult(step=self.step_count, metrics=metrics,
-                          publish_version=self.version if decision.publish else None,
+        return StepResult(step=self.step_count, metrics=metrics, publish=decision.publish,
                           publish_reason=decision.reason)
 
     def _optimizer_step(self) -> dict[str, float]:
@@ -146,7 +134,7 @@ class Learner:
         self._optimizer_step()
         return {**metrics, **self.vp2o.after_step(prev, write_back=write_back)}
 
-    def _updates(self, batch: _Batch, keep: torch.Tensor) -> list[list[tuple[int | None, torch.Tensor]]]:
+    def _updates(self, batch: TrainBatch, keep: torch.Tensor) -> list[list[tuple[int | None, torch.Tensor]]]:
         """The step's optimizer updates: `ppo_epochs` passes over the kept groups, each split into
         `mini_batches` contiguous shares of whole groups; an update is a list of (gradient seed, rows),
         one per Monte-Carlo sample (`exploration.gradient_points`: fresh θ̂′ per update)."""
@@ -168,7 +156,7 @@ class Learner:
         ivon = self.optim_cfg.name == "ivon"
         return self.opt.sampled_params(seed, train=train) if ivon else contextlib.nullcontext()
 
-    def _start_logprobs(self, batch: _Batch, updates: list) -> StartLogprobs:
+    def _start_logprobs(self, batch: TrainBatch, updates: list) -> StartLogprobs:
         """Token log-probs at the start of the step (no grad), for every point that needs them before
         the weights move: the π_prox of updates ≥ 1, every rollout's own slot θ̂ at the current
         (m, σ) for the drift diagnostic, and for LamPO also update 0's π_prox (Δs comes first).
@@ -191,7 +179,7 @@ class Learner:
                 start.put(seed, idx, losses.token_logprobs(logits[:, :-1], batch.targets[idx], self.temperature))
         return start
 
-    def _backward(self, batch: _Batch, rows: torch.Tensor, advantages: torch.Tensor,
+    def _backward(self, batch: TrainBatch, rows: torch.Tensor, advantages: torch.Tensor,
                   logp_prox: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
         """Loss on `rows` at the current weights against π_prox (None: this forward is π_prox);
         backward; return detached diagnostics and the detached token log-probs."""
@@ -237,7 +225,7 @@ class Learner:
         metrics["is_weight_mean"] = (weights.sum(1) / mask.sum(1).clamp(min=1)).mean()
         return loss_tok * weights, mask_eff, metrics
 
-    def _drift_metrics(self, batch: _Batch, start: StartLogprobs, updates: list) -> dict:
+    def _drift_metrics(self, batch: TrainBatch, start: StartLogprobs, updates: list) -> dict:
         """Behaviour μ against (a) each rollout's own slot rebuilt at the start-of-step (m, σ): the
         drift the sync budget acts on (`*_drift`), and (b) the π_prox of its first update (what the
         importance weights correct to: drift plus the noise between z and z′; updated rows only;
@@ -255,16 +243,17 @@ class Learner:
             out.update(kl_k3=float(total["kl_k3"]), ess_frac=float(total["ess_frac"]))
         return out
 
-    def _rewards(self, batch: _Batch, groups: Sequence[Group]) -> torch.Tensor:
+    def _rewards(self, batch: TrainBatch) -> torch.Tensor:
         """The [B/G, G] rewards the advantages use: the verifier's, plus λ_sem·ROUGE-L for LamPO."""
         if self.algo.advantage != "lampo":
             return batch.rewards
-        sem = torch.stack([rouge_l_rewards([s.completion.text for s in g.completions], g.item.solution)
-                           if g.item.solution else torch.zeros(len(g.completions), dtype=torch.float64)
-                           for g in groups]).to(batch.rewards.dtype)
+        size = batch.rewards.shape[1]
+        sem = torch.stack([rouge_l_rewards(batch.texts[g * size:(g + 1) * size], solution)
+                           if solution else torch.zeros(size, dtype=torch.float64)
+                           for g, solution in enumerate(batch.solutions)]).to(batch.rewards.dtype)
         return adv_math.combined_reward(batch.rewards, sem, self.algo.lampo_lam_sem)
 
-    def _advantages(self, batch: _Batch, rewards: torch.Tensor, logp_prox: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+    def _advantages(self, batch: TrainBatch, rewards: torch.Tensor, logp_prox: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
         """Per-rollout advantages [B] from the [B/G, G] reward matrix (the configured estimator).
         LamPO's Δs uses `logp_prox`, each rollout's π_prox at its first update: one policy for all
         rollouts of a group (whole groups per update, M3PO's groups are one slot each)."""
@@ -282,42 +271,11 @@ class Learner:
             "reward_mean": float(batch.rewards.mean()), "advantage_mean": float(advantages.mean()),
             "zero_adv_frac": float(zero.float().mean()), "rescued_groups": float(rescued.sum())}
 
-    # ---- batching ---------------------------------------------------------------------------
-    def _collate(self, groups: Sequence[Group]) -> _Batch:
-        """Right-padded sequences with behaviour log-probs aligned to next-token targets."""
-        sizes = {len(g.completions) for g in groups}
-        if len(sizes) != 1:
-            raise ValueError(f"groups: expected one group size, got sizes {sorted(sizes)}")
-        rows = [s.completion for g in groups for s in g.completions]
-        bad = [s.completion.completion_id for g in groups for s in g.completions
-               if s.result.status is VerifyStatus.INFRA_ERROR]
-        if bad:
-            raise ValueError(f"infra_error results must never reach the learner: {bad[:3]}")
-        width = max(len(c.prompt_ids) + len(c.token_ids) for c in rows)
-        input_ids = torch.zeros((len(rows), width), dtype=torch.long)
-        attn = torch.zeros_like(input_ids)
-        logp_behav = torch.zeros((len(rows), width - 1), dtype=torch.float32)
-        mask = torch.zeros_like(logp_behav)
-        for r, c in enumerate(rows):
-            p, n = len(c.prompt_ids), len(c.token_ids)
-            input_ids[r, :p + n] = torch.tensor(c.prompt_ids + c.token_ids)
-            attn[r, :p + n] = 1
-            logp_behav[r, p - 1:p - 1 + n] = torch.tensor(c.logprobs)
-            mask[r, p - 1:p - 1 + n] = 1
-        g = len(groups[0].completions)
-        rewards = torch.tensor([s.result.reward for grp in groups for s in grp.completions],
-                               dtype=torch.float64).view(-1, g)
-        slots = torch.tensor([c.slot for c in rows]).view(-1, g)
-        return _Batch(input_ids, attn, input_ids[:, 1:], mask, logp_behav, rewards, slots,
-                      [c.slot_seed for c in rows])
-
-    def _group_metrics(self, groups: Sequence[Group]) -> dict[str, float]:
-        statuses = Counter(s.result.status.value for g in groups for s in g.completions)
-        total = sum(statuses.values())
-        staleness = [self.step_count - 1 - g.published_step for g in groups]
-        return {"malformed_rate": statuses.get("malformed", 0) / total,
-                "staleness_mean": float(np.mean(staleness)), "staleness_max": float(max(staleness)),
-                "completion_tokens": float(sum(len(s.completion.token_ids) for g in groups for s in g.completions))}
+    def _group_metrics(self, batch: TrainBatch) -> dict[str, float]:
+        staleness = self.step_count - 1 - batch.published_steps
+        return {"malformed_rate": float((batch.statuses == MALFORMED).mean()),
+                "staleness_mean": float(staleness.mean()), "staleness_max": float(staleness.max()),
+                "completion_tokens": float(batch.mask.sum())}
 
     def _sigma_metrics(self) -> dict[str, float]:
         if self.optim_cfg.name != "ivon":
@@ -327,9 +285,9 @@ class Learner:
 
     # ---- publishing and checkpoints -----------------------------------------------------------
     def published(self, reason: str = "") -> PublishedVersion:
-        """The current version's mean and σ as fp32 numpy (what the posterior server stores) with the
-        mean's exact checksum, which every engine checks on receipt; `reason` records why it is
-        published (start, kl, ess, staleness)."""
+        """The current mean and σ as fp32 numpy (what the posterior server stores as its next
+        version) with the mean's exact checksum, which every engine checks on receipt; `reason`
+        records why it is published (start, kl, ess, staleness)."""
         if self.optim_cfg.name == "ivon":
             mean = {n: t.numpy().copy() for n, t in self.opt.mean_by_name().items()}
             sigma = {n: t.numpy().copy() for n, t in self.opt.sigma_by_name().items()}
@@ -337,13 +295,12 @@ class Learner:
             mean = {n: p.detach().float().numpy().copy() for n, p in self.named}
             sigma = None
         checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
-        return PublishedVersion(version=self.version, learner_step=self.version_step[self.version],
-                                reason=reason, mean=mean, sigma=sigma, mean_checksum=checksum)
+        return PublishedVersion(learner_step=self.step_count, reason=reason, mean=mean, sigma=sigma,
+                                mean_checksum=checksum)
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Tensors and metadata of everything needed to continue exactly (checkpoint)."""
-        meta = {"step": self.step_count, "version": self.version, "steps_since_sync": self.steps_since_sync,
-                "version_step": {str(k): v for k, v in self.version_step.items()}, "optim": self.optim_cfg.name}
+        meta = {"step": self.step_count, "steps_since_sync": self.steps_since_sync, "optim": self.optim_cfg.name}
         vp2o = {f"vp2o/{k}": v for k, v in self.vp2o.state().items()} if self.vp2o else {}
         if self.optim_cfg.name == "ivon":
             tensors, ivon_meta = self.opt.export_state()
@@ -356,9 +313,7 @@ class Learner:
         return tensors, meta
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        self.step_count, self.version = meta["step"], meta["version"]
-        self.steps_since_sync = meta["steps_since_sync"]
-        self.version_step = {int(k): v for k, v in meta["version_step"].items()}
+        self.step_count, self.steps_since_sync = meta["step"], meta["steps_since_sync"]
         if self.vp2o:
             self.vp2o.load_state({k[5:]: v for k, v in tensors.items() if k.startswith("vp2o/")})
         tensors = {k: v for k, v in tensors.items() if not k.startswith("vp2o/")}
@@ -374,6 +329,32 @@ class Learner:
                 _, i, k = key.split("/")
                 state["state"].setdefault(int(i), {})[k] = v
         self.opt.load_state_dict(state)
+
+
+def save_learner(learner: Learner, directory: str) -> None:
+    """Write the learner's training state into a checkpoint directory (learner.safetensors: model
+    mean, IVON Hessian and momentum or AdamW state; learner.json: step counters)."""
+    import json
+    import os
+
+    from threepo.services.checkpoint import save_tensors
+
+    tensors, meta = learner.state()
+    save_tensors(os.path.join(directory, "learner.safetensors"), tensors)
+    with open(os.path.join(directory, "learner.json"), "w") as f:
+        json.dump(meta, f)
+
+
+def load_learner(learner: Learner, directory: str) -> None:
+    """Put `learner` back into the state `save_learner` wrote."""
+    import json
+    import os
+
+    from threepo.services.checkpoint import load_tensors
+
+    with open(os.path.join(directory, "learner.json")) as f:
+        meta = json.load(f)
+    learner.load_state(load_tensors(os.path.join(directory, "learner.safetensors")), meta)
 
 
 def _mean_dicts(dicts: list[dict]) -> dict[str, float]:

@@ -1,7 +1,12 @@
 """Typed, frozen messages that cross role boundaries (driver, samplers, verifiers, learner).
 
 Every message is a frozen dataclass; none is a free-form dict. Arrays travel as numpy (Ray moves
-numpy zero-copy, torch tensors with a pickle copy). Messages that leave a process outside Ray
+numpy zero-copy, torch tensors with a pickle copy). The hot path is arrays: a sampler call returns a
+`CompletionBatch` (flat token / log-prob arrays with offsets) that goes by reference to a verifier
+and to the learner, a verifier returns a `ScoreBatch`, and the driver sees only the small
+`GenerateReport` and `ScoreBatch` and tells the learner which rows form each group (`GroupRows`).
+`Completion`, `ScoredCompletion` and `Group` are the per-completion record form (rollout logs,
+tests), built off the hot path by services/batching.py. Messages that leave a process outside Ray
 (rollout logs, the rollout buffer in checkpoints, remote verifiers) go through `services/codec.py`,
 which stamps them with `SCHEMA_VERSION`.
 """
@@ -10,8 +15,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-SCHEMA_VERSION = 2  # 2: Completion carries mean_checksum and weights_verified
+if TYPE_CHECKING:
+    import numpy as np
+
+SCHEMA_VERSION = 3  # 2: Completion carries mean_checksum, weights_verified; 3: Group carries the step
 
 
 class VerifyStatus(str, enum.Enum):
@@ -162,16 +171,84 @@ class Group:
     policy_version: int
     published_step: int
     completions: tuple[ScoredCompletion, ...]
+    step: int = 0  # the learner step that consumed it (0: not consumed yet)
+
+
+@dataclass(frozen=True)
+class CompletionBatch:
+    """One sampler call's completions as arrays. R requests, B = Σ n rows (a request's n rows are
+    contiguous, in request order), T = Σ tokens. Row b is completion `requests[row_request[b]].request_id
+    / j` (j its index within the request) with per-engine sequence number `first_seq_no + b`."""
+
+    engine_id: int
+    incarnation: str
+    policy_version: int
+    mean_checksum: str        # checksum of the mean the engine built every slot of this call from
+    requests: tuple[RolloutRequest, ...]
+    verified: np.ndarray      # [R] bool: the engine's weight checks held around the request's slot
+    first_seq_no: int
+    row_request: np.ndarray   # [B] int32
+    prompt_ids: np.ndarray    # [ΣP] int32; request r's prompt is prompt_ids[prompt_offsets[r]:prompt_offsets[r+1]]
+    prompt_offsets: np.ndarray  # [R+1] int64
+    token_ids: np.ndarray     # [T] int32; row b's tokens are token_ids[token_offsets[b]:token_offsets[b+1]]
+    logprobs: np.ndarray      # [T] float32 behaviour log-probs (the sampling distribution's)
+    token_offsets: np.ndarray  # [B+1] int64
+    finish_stop: np.ndarray   # [B] bool: EOS sampled (else cut at the length limit)
+    texts: tuple[str, ...]    # [B] decoded completions
+    generate_s: float         # engine time of the call
+
+
+@dataclass(frozen=True)
+class GenerateReport:
+    """What the driver reads of a sampler call (the batch itself stays in the object store)."""
+
+    engine_id: int
+    incarnation: str
+    policy_version: int
+    mean_checksum: str
+    request_ids: tuple[str, ...]
+    request_rows: tuple[int, ...]
+    verified: tuple[bool, ...]
+    first_seq_no: int
+    rows: int
+    tokens: int
+    generate_s: float
+
+
+@dataclass(frozen=True)
+class ScoreBatch:
+    """A verifier's results for the rows of one CompletionBatch, in row order. `statuses` are indices
+    into `STATUSES` (VerifyStatus); `rewards` are NaN for infra_error."""
+
+    statuses: np.ndarray  # [B] uint8
+    rewards: np.ndarray   # [B] float32
+    verify_s: float
+
+
+STATUSES: tuple[VerifyStatus, ...] = tuple(VerifyStatus)
+
+
+@dataclass(frozen=True)
+class GroupRows:
+    """Driver -> learner: one advantage group as rows of the step's batches. `parts` holds one
+    (batch index, first row, rows) per request of the group, in slot order."""
+
+    group_id: str
+    item: TaskItem
+    policy_version: int
+    published_step: int
+    parts: tuple[tuple[int, int, int], ...]
 
 
 @dataclass(frozen=True)
 class PublishedVersion:
     """A posterior version as the learner publishes it: fp32 mean and σ by parameter name, and the
-    exact checksum of the mean (`param_noise.weights_checksum`) every engine checks on receipt."""
+    exact checksum of the mean (`param_noise.weights_checksum`) every engine checks on receipt. The
+    posterior server numbers versions (it owns them)."""
 
-    version: int
     learner_step: int
     reason: str
     mean: dict  # {name: np.ndarray fp32}
     sigma: dict | None  # {name: np.ndarray fp32}; None when the optimizer has no posterior (AdamW)
     mean_checksum: str
+

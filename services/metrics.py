@@ -277,6 +277,11 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _h("threepo_sync_seconds", "Time for a sampler engine to take a new version.", SECONDS_BUCKETS, "engine_id"),
     _g("threepo_served_noise_ratio", "Perturbation that survives the served dtype, ||theta_served - "
        "m_served|| / ||sigma * z||, of the slot an engine serves now (1 in fp32).", "engine_id"),
+    _g("threepo_engine_busy_ratio", "Fraction of the last learner step's wall time a sampler engine spent "
+       "generating.", "engine_id"),
+    _c("threepo_busy_seconds_total", "Seconds a role spent working: samplers generating, verifiers "
+       "verifying, the learner stepping.", "role"),
+    _c("threepo_learner_wait_seconds_total", "Seconds the learner sat idle waiting for a step's groups."),
     _c("threepo_weight_check_failures_total", "Weight checks an engine failed (reason: mean = received "
        "mean differs from the published one, load = backend holds other values than fed, changed = "
        "served weights changed while serving).", "engine_id", "reason"),

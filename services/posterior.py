@@ -18,6 +18,8 @@ learner (`param_noise.posterior_sigma`), so engines need no IVON hyperparameters
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
@@ -50,6 +52,22 @@ class PosteriorConfig:
         for name in ("group_size", "n_slots", "keep_versions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"posterior.{name}: expected >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class VersionPlan:
+    """Posterior server -> driver, one message per publish (Ray only: it carries the plan): the
+    version's exploration plan (its number, slots and seeds), the learner step that published it
+    (staleness is measured from it), and the checksum every completion sampled from it must report."""
+
+    plan: ExplorationPlan
+    learner_step: int
+    mean_checksum: str
+    reason: str
+
+    @property
+    def version(self) -> int:
+        return self.plan.version
 
 
 @dataclass
@@ -86,29 +104,33 @@ class PosteriorServer:
 
     # --- publishing and reading versions ---------------------------------------------------------
 
-    def publish(self, pv: PublishedVersion) -> ExplorationPlan:
-        """Store version `pv.version` (strictly newer than the current one) and return its plan."""
-        if pv.version <= self._current:
-            raise ValueError(f"PublishedVersion.version: expected > current version {self._current}, "
-                             f"got {pv.version}")
-        mean = _frozen_fp32(pv.mean, f"version {pv.version}: mean")
-        sigma = None if pv.sigma is None else _frozen_fp32(pv.sigma, f"version {pv.version}: sigma")
+    def publish(self, pv: PublishedVersion) -> VersionPlan:
+        """Store `pv` as the next version (the current one + 1; the first is 0) and return its plan.
+        The server numbers versions: it is their one owner."""
+        version = self._current + 1
+        mean = _frozen_fp32(pv.mean, f"version {version}: mean")
+        sigma = None if pv.sigma is None else _frozen_fp32(pv.sigma, f"version {version}: sigma")
         for name, s in (sigma or {}).items():
             if name not in mean or s.shape != mean[name].shape:
                 got = mean[name].shape if name in mean else "absent"
-                raise ValueError(f"version {pv.version}: sigma[{name!r}] has shape {s.shape}, "
+                raise ValueError(f"version {version}: sigma[{name!r}] has shape {s.shape}, "
                                  f"expected the mean's shape ({got})")
         cfg = self.cfg
-        plan = make_plan(cfg.kind, version=pv.version, base_seed=cfg.base_seed, group_size=cfg.group_size,
+        plan = make_plan(cfg.kind, version=version, base_seed=cfg.base_seed, group_size=cfg.group_size,
                          n_slots=cfg.n_slots, equal_compute=cfg.equal_compute)
         if sigma is None and cfg.kind != "grpo":
-            raise ValueError(f"version {pv.version}: sigma is None, but the {cfg.kind} plan has seeded "
+            raise ValueError(f"version {version}: sigma is None, but the {cfg.kind} plan has seeded "
                              "slots (publish σ, or use kind='grpo')")
-        self._versions[pv.version] = _Version(mean, sigma, plan, pv.learner_step, pv.reason, pv.mean_checksum)
-        self._refs.setdefault(pv.version, 0)
-        self._current = pv.version
+        self._versions[version] = _Version(mean, sigma, plan, pv.learner_step, pv.reason, pv.mean_checksum)
+        self._refs.setdefault(version, 0)
+        self._current = version
         self._evict()
-        return plan
+        return self.version_plan(version)
+
+    def version_plan(self, version: int) -> VersionPlan:
+        """The plan, publishing learner step, mean checksum and reason of `version`."""
+        entry = self._get(version)
+        return VersionPlan(entry.plan, entry.learner_step, entry.mean_checksum, entry.reason)
 
     def current_version(self) -> int:
         """The newest published version."""
@@ -210,6 +232,39 @@ class PosteriorServer:
         self._current = state["current"]
         if self._versions and self._current not in self._versions:
             raise ValueError(f"state: current version {self._current} is not among the saved versions")
+
+
+def save_posterior(server: PosteriorServer, directory: str) -> None:
+    """Write the server's state into a checkpoint directory: posterior.safetensors (every version's
+    m and σ) and posterior.json (config, plans, steps, reasons, checksums)."""
+    from threepo.services.checkpoint import save_tensors
+
+    state, tensors = server.state(), {}
+    for v in state["versions"]:
+        for part in ("mean", "sigma"):
+            for name, array in (v[part] or {}).items():
+                tensors[f"v{v['version']}/{part}/{name}"] = array
+        v["has_sigma"], v["names"] = v["sigma"] is not None, sorted(v["mean"])
+        del v["mean"], v["sigma"]
+    save_tensors(os.path.join(directory, "posterior.safetensors"), tensors)
+    with open(os.path.join(directory, "posterior.json"), "w") as f:
+        json.dump(state, f)
+
+
+def load_posterior(directory: str, cfg: PosteriorConfig | None = None) -> PosteriorServer:
+    """The server `save_posterior` wrote. Reference counts start at zero: whatever was in flight at
+    the checkpoint is regenerated on resume, so nothing old needs to stay alive for it."""
+    from threepo.services.checkpoint import load_tensors
+
+    tensors = load_tensors(os.path.join(directory, "posterior.safetensors"))
+    with open(os.path.join(directory, "posterior.json")) as f:
+        state = json.load(f)
+    for v in state["versions"]:
+        n = v["version"]
+        v["mean"] = {name: tensors[f"v{n}/mean/{name}"] for name in v["names"]}
+        v["sigma"] = {name: tensors[f"v{n}/sigma/{name}"] for name in v["names"]} if v["has_sigma"] else None
+        v["refcount"] = 0
+    return PosteriorServer.from_state(state, cfg)
 
 
 def _plan_state(plan: ExplorationPlan) -> dict:

@@ -4,13 +4,14 @@ role 2).
 A Sampler holds one engine (services/engines/) and the posterior version it was last given. Calls are
 sequential, so a new version (`update`) takes effect at the next request boundary by construction.
 `generate` serves each (version, slot seed) of a batch once — the engine regenerates the slot's noise
-locally from the seed — and samples all of that slot's prompts together. Every completion carries
-what the driver and learner need for exactly-once delivery, off-policy correction and the weight
-check: a deterministic completion id (request id / index, so a re-issued request yields the same
-ids), this engine's id and a per-engine sequence number (gaps reveal lost work), the policy version,
-the slot seed, the checksum of the mean the engine built the slot from (the driver compares it with
-the one the learner published) and whether the engine's own checks passed around the call (loaded
-exactly what it fed the backend, unchanged while sampling). Each request samples from its own seed,
+locally from the seed — and samples all of that slot's prompts together. A call's completions come
+back as one `CompletionBatch` (arrays, services/messages.py) carrying what the driver and learner need
+for exactly-once delivery, off-policy correction and the weight check: deterministic completion ids
+(request id / index, so a re-issued request yields the same ids), this engine's id and incarnation
+and per-engine sequence numbers (gaps reveal lost work), the policy version, each request's slot
+seed, the checksum of the mean the engine built its slots from (the driver compares it with the one
+the learner published) and, per request, whether the engine's own checks held around the call
+(loaded exactly what it fed the backend, unchanged while sampling). Each request samples from its own seed,
 hashed from the request id, so a re-issued request draws the same tokens wherever it runs.
 
 Not here: choosing slots or engines (the driver), comparing checksums across roles (driver), Ray.
@@ -24,7 +25,8 @@ from typing import TYPE_CHECKING
 
 from threepo.algorithms.param_noise import tensor_seed
 from threepo.services.engines.base import EngineRequest, ServeReport, WeightsMismatch
-from threepo.services.messages import Completion, NoiseSpec, RolloutRequest, SamplingParams
+from threepo.services.batching import completion_batch
+from threepo.services.messages import CompletionBatch, NoiseSpec, RolloutRequest, SamplingParams
 from threepo.services.metrics import CATALOGUE, Metrics, register_catalogue
 
 if TYPE_CHECKING:
@@ -44,8 +46,9 @@ class Sampler:
     tokens, completions, sync bytes and seconds, the served-noise ratio and failed weight checks,
     labelled with the engine id."""
 
-    def __init__(self, engine: Engine, engine_id: int, cfg: SamplerConfig, metrics: Metrics | None = None):
-        self.engine, self.engine_id, self.cfg = engine, engine_id, cfg
+    def __init__(self, engine: Engine, engine_id: int, cfg: SamplerConfig, metrics: Metrics | None = None,
+                 incarnation: str = ""):
+        self.engine, self.engine_id, self.cfg, self.incarnation = engine, engine_id, cfg, incarnation
         self.version: int | None = None
         self._serving: ServeReport | None = None  # what the engine serves now
         self._seq_no = 0
@@ -78,30 +81,39 @@ class Sampler:
             self._metrics["threepo_sync_seconds"].observe(elapsed, engine_id=self.engine_id)
             self._metrics["threepo_sync_bytes_total"].inc(sent, engine_id=self.engine_id)
 
-    def generate(self, requests: list[RolloutRequest]) -> list[Completion]:
-        """Completions of `requests`, in request order (each request's `n` in a row)."""
+    def generate(self, requests: list[RolloutRequest]) -> CompletionBatch:
+        """Completions of `requests` (all of one policy version), as one array batch in request
+        order (each request's `n` rows in a row)."""
+        if not requests:
+            raise ValueError(f"sampler {self.engine_id}: generate needs at least one request")
         for r in requests:
             if r.policy_version != self.version:
                 raise ValueError(f"request {r.request_id!r} wants policy_version {r.policy_version}, but "
                                  f"sampler {self.engine_id} holds version {self.version}: update first")
-        by_slot: dict[tuple[int, int | None], list[int]] = {}
+        by_slot: dict[int | None, list[int]] = {}
         for i, r in enumerate(requests):
-            by_slot.setdefault((r.policy_version, r.slot_seed), []).append(i)
-        samples: list[list | None] = [None] * len(requests)
-        reports: list[tuple[ServeReport, bool] | None] = [None] * len(requests)
-        for (version, seed), indices in by_slot.items():
-            report = self._serve(NoiseSpec(version, seed))
+            by_slot.setdefault(r.slot_seed, []).append(i)
+        samples: list = [None] * len(requests)
+        prompts: list = [None] * len(requests)
+        verified = [False] * len(requests)
+        started = time.perf_counter()
+        for seed, indices in by_slot.items():
+            report = self._serve(NoiseSpec(self.version, seed))
+            checksum = report.mean_checksum  # one version per call: every slot is built from one mean
             drawn = self._sample([requests[i] for i in indices])
             unchanged = self.engine.verify()  # the weights the samples came from are still those loaded
             if not (report.loaded_ok and unchanged):
                 self._failed_check("load" if not report.loaded_ok else "changed")
                 self._serving = None  # load the slot afresh next time
-            for i, d in zip(indices, drawn):
-                samples[i], reports[i] = d, (report, report.loaded_ok and unchanged)
-        completions = [self._tag(r, j, s, *reports[i])
-                       for i, r in enumerate(requests) for j, s in enumerate(samples[i])]
-        self._count(len(requests), completions)
-        return completions
+            for i, (prompt, d) in zip(indices, drawn):
+                prompts[i], samples[i], verified[i] = prompt, d, report.loaded_ok and unchanged
+        batch = completion_batch(engine_id=self.engine_id, incarnation=self.incarnation,
+                                 policy_version=self.version, mean_checksum=checksum,
+                                 requests=requests, prompts=prompts, samples=samples, verified=verified,
+                                 first_seq_no=self._seq_no, generate_s=time.perf_counter() - started)
+        self._seq_no += len(batch.texts)
+        self._count(len(requests), batch)
+        return batch
 
     def stats(self) -> dict:
         """Counters since construction; `tokens_per_s` is tokens generated per second in generate."""
@@ -151,28 +163,18 @@ class Sampler:
         if len(samples) != len(requests) or any(len(s) != r.n for s, r in zip(samples, requests)):
             raise RuntimeError(f"engine {self.engine_id} returned {[len(s) for s in samples]} samples for "
                                f"requests with n = {[r.n for r in requests]}")
-        return [[(er.prompt_ids, x) for x in s] for er, s in zip(engine_requests, samples)]
-
-    def _tag(self, r: RolloutRequest, j: int, drawn, report: ServeReport, verified: bool) -> Completion:
-        prompt_ids, s = drawn
-        self._seq_no += 1
-        return Completion(
-            completion_id=f"{r.request_id}/{j}", request_id=r.request_id, group_id=r.group_id, slot=r.slot,
-            prompt_uid=r.item.uid, engine_id=self.engine_id, seq_no=self._seq_no - 1,
-            policy_version=r.policy_version, slot_seed=r.slot_seed, mean_checksum=report.mean_checksum,
-            weights_verified=verified, prompt_ids=tuple(prompt_ids), token_ids=tuple(s.token_ids),
-            logprobs=tuple(s.logprobs), finish_reason=s.finish_reason, text=s.text)
+        return [(er.prompt_ids, s) for er, s in zip(engine_requests, samples)]
 
     def _failed_check(self, reason: str) -> None:
         self._stats["weight_check_failures"] += 1
         if self._metrics is not None:
             self._metrics["threepo_weight_check_failures_total"].inc(1, engine_id=self.engine_id, reason=reason)
 
-    def _count(self, n_requests: int, completions: list[Completion]) -> None:
-        tokens = sum(len(c.token_ids) for c in completions)
+    def _count(self, n_requests: int, batch: CompletionBatch) -> None:
+        tokens, rows = len(batch.token_ids), len(batch.texts)
         self._stats["requests"] += n_requests
-        self._stats["completions"] += len(completions)
+        self._stats["completions"] += rows
         self._stats["tokens_generated"] += tokens
         if self._metrics is not None:
-            self._metrics["threepo_completions_total"].inc(len(completions), engine_id=self.engine_id)
+            self._metrics["threepo_completions_total"].inc(rows, engine_id=self.engine_id)
             self._metrics["threepo_tokens_generated_total"].inc(tokens, engine_id=self.engine_id)

@@ -82,7 +82,7 @@ def test_a_code_run_configured_from_the_cli_completes_behind_a_sandbox_answering
         front.stop()
         _kill_limiter(tmp_path)
     assert rc == 0 and [r["step"] for r in rows] == [1, 2]
-    assert summary["consumed_rollouts"] == summary["admitted_rollouts"] == summary["unique_consumed"] == 32
+    assert summary["consumed_rollouts"] == summary["admitted_rollouts"] == 32
     assert summary["infra_errors"] == 0 and summary["reissued_requests"] == 0  # waited out, never re-sampled
     # the completions were programs the sandbox ran (training and the evaluations), through the proxy
     assert service.stats["started"] >= 16 and proxy.counts["forwarded"] == service.stats["started"]

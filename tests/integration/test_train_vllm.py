@@ -28,7 +28,8 @@ def test_a_short_c3po_run_on_vllm_engines(ray_session, tmp_path, tiny_dense_path
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert summary["admitted_rollouts"] == summary["consumed_rollouts"] == summary["unique_consumed"] == 4 * 2 * 8
-    assert summary["rejected_checksum"] == 0  # every completion came from a verified load of a published mean
-    assert summary["version"] == 4 and rows[-1]["staleness_max"] <= 1  # each step's version reached the engine
+    assert summary["admitted_rollouts"] == summary["consumed_rollouts"] == 4 * 2 * 8
+    assert summary["rejected_weights"] == 0  # every completion came from a verified load of a published mean
+    # each step published a version, which reached the engine while it was sampling the next ones
+    assert summary["version"] == 4 and max(r["staleness_max"] for r in rows) <= 2 and rows[-1]["version"] >= 2
     assert rows[-1]["sigma_p50"] > 0 and any(r.get("tokens_per_s/engine0", 0) > 0 for r in rows)

@@ -10,6 +10,8 @@ import math
 
 import msgpack
 import numpy as np
+
+from threepo.services.batching import batches_from_groups, report_of
 import pytest
 
 from threepo.services import codec, messages
@@ -52,14 +54,16 @@ SAMPLES = [
     _completion(0, 11),
     SCORED,
     Group(group_id="g7", item=ITEM, policy_version=3, published_step=12, completions=(SCORED, INFRA)),
-    PublishedVersion(version=4, learner_step=13, reason="budget",
+    PublishedVersion(learner_step=13, reason="budget",
                      mean={"model.embed.weight": rng.standard_normal((3, 5)).astype(np.float32),
                            "lm_head.bias": np.arange(4, dtype=np.float32)},
                      sigma={"model.embed.weight": np.full((3, 5), 1e-3, np.float32),
                             "lm_head.bias": np.zeros(4, np.float32)[::2]}, mean_checksum="0badc0de"),
-    PublishedVersion(version=0, learner_step=0, reason="init", mean={"w": np.float32(2.5)}, sigma=None,
+    PublishedVersion(learner_step=0, reason="init", mean={"w": np.float32(2.5)}, sigma=None,
                      mean_checksum="5eed"),
 ]
+_SPECS, _BATCHES, _SCORES = batches_from_groups([Group("g7", ITEM, 3, 12, (SCORED, SCORED))])
+SAMPLES += [_SPECS[0], _BATCHES[0], _SCORES[0], report_of(_BATCHES[0])]
 
 
 def assert_same(a, b, where="msg"):

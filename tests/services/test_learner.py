@@ -13,6 +13,7 @@ from threepo.algorithms import advantages as adv_math
 from threepo.algorithms import losses
 from threepo.algorithms.exploration import make_plan, update_seed
 from threepo.algorithms.param_noise import perturbed_state
+from threepo.services.batching import batches_from_groups, collate
 from threepo.services.learner import Learner
 from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig
 from threepo.services.messages import Completion, Group, ScoredCompletion, VerifyResult, VerifyStatus
@@ -45,13 +46,18 @@ def sampler(tiny_dense_path):
     return load_model(tiny_dense_path).eval(), load_tokenizer(tiny_dense_path)
 
 
+def _step(learner, groups):
+    """A learner step on record-form groups, through the array path the runtime uses."""
+    return learner.step(*batches_from_groups(groups))
+
+
 def _groups(sampler, learner, exploration, n_slots, group_size, rewards_seed=0):
     """Completions sampled at the learner's published version, slot by slot, with synthetic rewards."""
     model, tokenizer = sampler
     pv = learner.published()
     mean = {n: torch.from_numpy(a) for n, a in pv.mean.items()}
     sigma = {n: torch.from_numpy(a) for n, a in pv.sigma.items()} if pv.sigma else {}
-    plan = make_plan(exploration, version=pv.version, base_seed=0, group_size=group_size, n_slots=n_slots)
+    plan = make_plan(exploration, version=0, base_seed=0, group_size=group_size, n_slots=n_slots)
     gen = torch.Generator().manual_seed(rewards_seed)
     groups = []
     for item in generate_items("arith", "train", 3, seed=1):
@@ -63,15 +69,15 @@ def _groups(sampler, learner, exploration, n_slots, group_size, rewards_seed=0):
                     p.copy_(theta[name])
             for j, (prompt_ids, tokens, logprobs, finish, text) in enumerate(
                     _sample(model, tokenizer, item.prompt, plan.rollouts_per_slot, gen)):
-                c = Completion(completion_id=f"{item.uid}/{slot.index}/{j}", request_id="r", group_id=item.uid,
+                c = Completion(completion_id=f"{item.uid}/{slot.index}/{j}", request_id=f"{item.uid}/s{slot.index}", group_id=item.uid,
                                slot=slot.index, prompt_uid=item.uid, engine_id=0, seq_no=0,
-                               policy_version=pv.version, slot_seed=slot.seed, mean_checksum="",
+                               policy_version=0, slot_seed=slot.seed, mean_checksum=pv.mean_checksum,
                                weights_verified=True, prompt_ids=prompt_ids, token_ids=tokens,
                                logprobs=logprobs, finish_reason=finish, text=text)
                 reward = float(torch.rand((), generator=gen) < 0.5)
                 status = VerifyStatus.OK if reward else VerifyStatus.WRONG
                 by_group.setdefault(plan.group_of(slot.index), []).append(ScoredCompletion(c, VerifyResult(status, reward)))
-        groups += [Group(f"{item.uid}/g{g}", item, pv.version, 0, tuple(v)) for g, v in by_group.items()]
+        groups += [Group(f"{item.uid}/g{g}", item, 0, 0, tuple(v)) for g, v in by_group.items()]
     return groups
 
 
@@ -108,23 +114,23 @@ def _means(learner):
 def test_one_step_takes_the_gradient_where_the_plan_says(sampler, tiny_dense_path, exploration, n_slots, points):
     learner = _learner(tiny_dense_path, exploration, n_slots)
     groups = _groups(sampler, learner, exploration, n_slots, 8)
-    batch = learner._collate(groups)
+    batch = collate(*batches_from_groups(groups))
     (update,) = learner._updates(batch, torch.ones(len(groups), dtype=torch.bool))  # one update by default
     assert len(update) == points
     before = {n: t.clone() for n, t in learner.opt.mean_by_name().items()}
-    result = learner.step(groups)
+    result = _step(learner, groups)
     moved = max(float((learner.opt.mean_by_name()[n] - before[n]).abs().max()) for n in before)
     o = learner.optim_cfg  # a step moves each weight by at most α·ξ, α = lr·(h0 + δ) (clip radius ξ)
     ulp = max(float(t.abs().max()) for t in before.values()) * torch.finfo(torch.float32).eps  # fp32 rounding
     assert 0 < moved <= o.lr * (o.hess_init + o.weight_decay) * o.clip_radius + ulp
     assert result.step == 1 and all(math.isfinite(v) for v in result.metrics.values())
-    assert result.publish_version is None  # κ/η not crossed on the first step, max_staleness = 2
-    assert learner.step(groups).publish_version == 1 and learner.version == 1
+    assert not result.publish  # κ/η not crossed on the first step, max_staleness = 2
+    assert _step(learner, groups).publish and learner.published().learner_step == 2
 
 
 def test_c3po_gradient_is_at_a_fresh_sample_that_changes_every_step(sampler, tiny_dense_path):
     learner = _learner(tiny_dense_path)
-    batch = learner._collate(_groups(sampler, learner, "c3po", 4, 8))
+    batch = collate(*batches_from_groups(_groups(sampler, learner, "c3po", 4, 8)))
     keep = torch.ones(3, dtype=torch.bool)
     ((seed0, _),), = learner._updates(batch, keep)
     learner.step_count += 1
@@ -135,22 +141,22 @@ def test_c3po_gradient_is_at_a_fresh_sample_that_changes_every_step(sampler, tin
 def test_importance_weights_are_capped_and_infra_errors_rejected(sampler, tiny_dense_path):
     learner = _learner(tiny_dense_path, is_cap=1.5)
     groups = _groups(sampler, learner, "c3po", 4, 8)
-    assert learner.step(groups).metrics["is_weight_mean"] <= 1.5
+    assert _step(learner, groups).metrics["is_weight_mean"] <= 1.5
     bad = groups[0].completions[0]
     broken = ScoredCompletion(bad.completion, VerifyResult(VerifyStatus.INFRA_ERROR, float("nan")))
     poisoned = [Group(groups[0].group_id, groups[0].item, 0, 0, (broken,) + groups[0].completions[1:])]
     with pytest.raises(ValueError, match="infra_error"):
-        learner.step(poisoned)
+        _step(learner, poisoned)
 
 
 def test_state_round_trip_continues_identically(sampler, tiny_dense_path):
     a = _learner(tiny_dense_path, advantage="lampo")
     groups = _groups(sampler, a, "c3po", 4, 8)
-    a.step(groups)
+    _step(a, groups)
     tensors, meta = a.state()
     b = _learner(tiny_dense_path, advantage="lampo")
     b.load_state({k: v.clone() for k, v in tensors.items()}, meta)
-    ra, rb = a.step(groups), b.step(groups)
+    ra, rb = _step(a, groups), _step(b, groups)
     assert ra.step == rb.step == 2
     for key in ("loss", "kl_k3", "ess_frac", "advantage_mean"):
         assert ra.metrics[key] == pytest.approx(rb.metrics[key], abs=1e-7), key
@@ -165,9 +171,9 @@ def test_b3po_and_m3po_take_every_step_at_fresh_samples(sampler, tiny_dense_path
     groups = _groups(sampler, learner, exploration, n_slots, 8)
     slot_seeds = {s.completion.slot_seed for g in groups for s in g.completions}
     seen = _train_seeds(learner)
-    learner.step(groups)
+    _step(learner, groups)
     first = list(seen)
-    learner.step(groups)  # the same rollouts again, as a stale version's would be
+    _step(learner, groups)  # the same rollouts again, as a stale version's would be
     second = seen[len(first):]
     assert len(first) == len(second) == n_slots  # M3PO: one Monte-Carlo sample per slot group
     assert None not in first and not (set(first) | set(second)) & slot_seeds
@@ -180,14 +186,14 @@ def test_grpo_with_ivon_takes_its_gradient_at_a_sample_so_h_keeps_an_estimate(sa
     groups = _groups(sampler, learner, "grpo", 1, 8)
     seen = _train_seeds(learner)
     before = {n: t.clone() for n, t in learner.opt.hess_by_name().items()}
-    learner.step(groups)
+    _step(learner, groups)
     assert seen and None not in seen
     assert any(bool((learner.opt.hess_by_name()[n] > h).any()) for n, h in before.items())
 
 
 def test_one_update_per_batch_leaves_the_clip_inert(sampler, tiny_dense_path):
     learner = _learner(tiny_dense_path, "grpo", 1, optim=OptimConfig(name="adamw", lr=3e-3))
-    result = learner.step(_groups(sampler, learner, "grpo", 1, 8))
+    result = _step(learner, _groups(sampler, learner, "grpo", 1, 8))
     assert result.metrics["updates"] == 1 and result.metrics["clip_frac"] == 0.0
 
 
@@ -196,7 +202,7 @@ def test_mini_batches_update_against_the_start_of_step_policy_so_the_clips_act(s
     learner = _learner(tiny_dense_path, "grpo", 1, optim=OptimConfig(name="adamw", lr=3e-3), mini_batches=3,
                        ppo_epochs=2, eps_low=1e-3, eps_high=1e-3, is_correction="none")
     groups = _groups(sampler, learner, "grpo", 1, 8)
-    result = learner.step(groups)
+    result = _step(learner, groups)
     assert result.metrics["updates"] == 6 and learner.opt.state_dict()["state"][0]["step"] == 6
     assert result.metrics["clip_frac"] > 0.1 and result.metrics["ppo_kl"] != 0.0
 
@@ -205,7 +211,7 @@ def test_ivon_mini_batches_are_optimizer_steps_each_at_a_fresh_sample(sampler, t
     learner = _learner(tiny_dense_path, "c3po", 4, mini_batches=3)
     groups = _groups(sampler, learner, "c3po", 4, 8)
     seen = _train_seeds(learner)
-    result = learner.step(groups)
+    result = _step(learner, groups)
     assert learner.opt.param_groups[0]["step"] == 3 and len(set(seen)) == 3
     assert seen == [update_seed(0, 0, u, 0) for u in range(3)]
     assert result.metrics["ppo_kl"] != 0.0  # later mini-batches see ratios ≠ 1
@@ -216,7 +222,7 @@ def test_ivon_mini_batches_are_optimizer_steps_each_at_a_fresh_sample(sampler, t
 def test_decoupled_ppo_and_kl_cov_are_reachable(sampler, tiny_dense_path, loss, is_correction, key):
     extra = {"kl_cov_ratio": 0.2} if loss == "kl_cov" else {}
     learner = _learner(tiny_dense_path, "c3po", 4, loss=loss, is_correction=is_correction, mini_batches=2, **extra)
-    result = learner.step(_groups(sampler, learner, "c3po", 4, 8))
+    result = _step(learner, _groups(sampler, learner, "c3po", 4, 8))
     assert key in result.metrics and all(math.isfinite(v) for v in result.metrics.values())
     if loss == "kl_cov":
         assert result.metrics["kl_cov_frac"] == pytest.approx(0.2, abs=0.02) and result.metrics["ppo_kl_abs"] > 0
@@ -244,16 +250,16 @@ def test_dynamic_filter_leaves_equal_reward_groups_out_of_the_update(sampler, ti
     live = [_rescored(raw[0], [1, 0] * 4), _rescored(raw[1], [0, 0, 1, 0, 0, 0, 0, 1])]
     dead = _rescored(raw[2], [0] * 8)
     filtered = _learner(tiny_dense_path, dynamic_filter=True)
-    rf = filtered.step(live + [dead])
+    rf = _step(filtered, live + [dead])
     plain = _learner(tiny_dense_path)
-    rp = plain.step(live)
+    rp = _step(plain, live)
     assert rf.metrics["filtered_groups"] == 1 and rp.metrics["filtered_groups"] == 0
     assert rf.metrics["zero_adv_frac"] == pytest.approx(1 / 3)  # measured before filtering
     for n, t in _means(plain).items():  # a dead group adds nothing, not even to the loss denominator
         torch.testing.assert_close(_means(filtered)[n], t, rtol=0, atol=1e-7)
     idle = _learner(tiny_dense_path, dynamic_filter=True)
     before = _means(idle)
-    r = idle.step([dead])
+    r = _step(idle, [dead])
     assert r.metrics["filtered_groups"] == 1 and r.metrics["updates"] == 0 and r.step == 1
     assert all(torch.equal(t, before[n]) for n, t in _means(idle).items())
 
@@ -266,15 +272,15 @@ def test_lampo_compares_sequences_under_one_recomputed_policy(sampler, tiny_dens
         ScoredCompletion(dataclasses.replace(s.completion, logprobs=tuple(x - 3.0 for x in s.completion.logprobs)), s.result)
         if s.completion.slot == 0 else s for s in g.completions)) for g in groups]
     b = _learner(tiny_dense_path, advantage="lampo")
-    ra, rb = a.step(groups), b.step(shifted)
+    ra, rb = _step(a, groups), _step(b, shifted)
     assert ra.metrics["advantage_mean"] == pytest.approx(rb.metrics["advantage_mean"], abs=1e-9)
     # ... and equal what the learner's forward at the step's gradient point gives
     c = _learner(tiny_dense_path, advantage="lampo")
-    batch = c._collate(groups)
+    batch = collate(*batches_from_groups(groups))
     with torch.no_grad(), c.opt.sampled_params(update_seed(0, 0, 0, 0), train=False):
         logits = c.model(input_ids=batch.input_ids, attention_mask=batch.attn).logits[:, :-1]
     seq = adv_math.sequence_logprob(losses.token_logprobs(logits, batch.targets, 1.0), batch.mask, "sum")
-    rewards = c._rewards(batch, groups)
+    rewards = c._rewards(batch)
     expected = adv_math.lampo_advantages(rewards, seq.view_as(rewards), tau=c.algo.lampo_tau)
     assert ra.metrics["advantage_mean"] == pytest.approx(float(expected.mean()), abs=1e-5)
 
@@ -283,12 +289,12 @@ def test_sync_budget_measures_drift_not_the_noise_between_slots(sampler, tiny_de
     # σ = 1/sqrt(λ(h0+δ)) ≈ 0.1: the slots differ a lot from θ̂′, but the mean has not moved yet
     learner = _learner(tiny_dense_path, optim=OptimConfig(ess=1e3), sync=SyncConfig(kappa=1e-3, eta=0.5, max_staleness=4))
     groups = _groups(sampler, learner, "c3po", 4, 8)
-    first = learner.step(groups)
+    first = _step(learner, groups)
     m = first.metrics
     assert m["kl_k3"] > 1e-2 and m["ess_frac"] < 0.9       # behaviour → gradient point: noise and drift
     assert m["kl_k3_drift"] < 1e-5 and m["ess_frac_drift"] > 0.999  # same slot rebuilt from today's mean
-    assert first.publish_version is None
-    second = learner.step(groups)  # the mean moved: now there is drift
+    assert not first.publish
+    second = _step(learner, groups)  # the mean moved: now there is drift
     assert second.metrics["kl_k3_drift"] > m["kl_k3_drift"]
 
 
@@ -296,5 +302,5 @@ def test_sync_budget_measures_drift_not_the_noise_between_slots(sampler, tiny_de
 def test_every_correction_takes_a_step(sampler, tiny_dense_path, is_correction):
     # seq_mis broadcast its keep mask to [B, B, T] before (the loss then failed its shape check)
     learner = _learner(tiny_dense_path, is_correction=is_correction)
-    result = learner.step(_groups(sampler, learner, "c3po", 4, 8))
+    result = _step(learner, _groups(sampler, learner, "c3po", 4, 8))
     assert result.metrics["updates"] == 1 and math.isfinite(result.metrics["loss"])

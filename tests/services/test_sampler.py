@@ -14,6 +14,7 @@ import torch
 
 from threepo.algorithms.param_noise import weights_checksum
 
+from threepo.services.batching import completions_of
 from threepo.services.engines.base import SamplerConfig, WeightsMismatch
 from threepo.services.engines.hf import HFEngine
 from threepo.services.messages import PublishedVersion, RolloutRequest, TaskItem
@@ -64,12 +65,18 @@ def setup(hf_engine):
     mean = {n: p.detach().numpy().copy() for n, p in hf_engine._params.items()}
     checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
     server = PosteriorServer(PosteriorConfig(kind="c3po", group_size=6, n_slots=3, base_seed=1))
-    server.publish(PublishedVersion(1, 0, "init", mean, {n: np.full(a.shape, 0.02) for n, a in mean.items()},
-                                    checksum))
+    for _ in range(2):  # versions 0 and 1
+        server.publish(PublishedVersion(0, "init", mean, {n: np.full(a.shape, 0.02) for n, a in mean.items()},
+                                        checksum))
     engine = CountingEngine(hf_engine)
     sampler = Sampler(engine, engine_id=7, cfg=CFG)
     sampler.update(1, *server.weights(1))
     return sampler, engine, server
+
+
+def _gen(sampler, requests):
+    """The sampler's array batch, as record-form completions."""
+    return completions_of(sampler.generate(requests))
 
 
 def _requests(plan, slots, prompts=("Q: 1+2= A: ", "Q: 30*4= A: "), n=2, version=1):
@@ -86,7 +93,7 @@ def test_completions_carry_ids_seq_numbers_and_the_published_mean_checksum(setup
     sampler, engine, server = setup
     plan = server.plan(1)
     requests = _requests(plan, slots=[0, 2])
-    completions = sampler.generate(requests)
+    completions = _gen(sampler, requests)
     assert [c.completion_id for c in completions] == [f"{r.request_id}/{j}" for r in requests for j in range(2)]
     assert [c.seq_no for c in completions] == list(range(8))
     for c, r in zip(completions, [r for r in requests for _ in range(2)]):
@@ -97,7 +104,7 @@ def test_completions_carry_ids_seq_numbers_and_the_published_mean_checksum(setup
         assert c.finish_reason in ("stop", "length") and all(lp <= 0 for lp in c.logprobs)
     assert completions[0].logprobs != completions[4].logprobs  # slots 0 and 2 are different policies
     # a re-issued request gets the same ids and the next sequence numbers
-    again = sampler.generate(requests[:1])
+    again = _gen(sampler, requests[:1])
     assert [c.completion_id for c in again] == ["g0/s0/0", "g0/s0/1"]
     assert [c.seq_no for c in again] == [8, 9]
     stats = sampler.stats()
@@ -112,7 +119,7 @@ def test_one_serve_and_one_generate_per_slot_group(setup):
     # interleaved slots 1, 0, 1, 2, 0: three groups
     requests = [_requests(plan, [s], prompts=(p,))[0] for s, p in
                 [(1, "a"), (0, "b"), (1, "c"), (2, "d"), (0, "e")]]
-    completions = sampler.generate(requests)
+    completions = _gen(sampler, requests)
     assert [s.seed for s in engine.serves] == [plan.slots[i].seed for i in (1, 0, 2)]
     assert [g[0] for g in engine.generates] == [["a", "c"], ["b", "e"], ["d"]]
     assert all(ns == [2] * len(ns) and params.max_new_tokens == 6 and params.temperature == 0.9
@@ -123,13 +130,13 @@ def test_one_serve_and_one_generate_per_slot_group(setup):
         by_seed[c.slot_seed].add((c.mean_checksum, c.weights_verified))
     assert all(v == {(server.mean_checksum(1), True)} for v in by_seed.values()) and len(by_seed) == 3
     # the engine still serves slot 2: a batch for slot 2 needs no new serve, one for slot 1 does
-    sampler.generate(_requests(plan, [2], prompts=("f",)))
+    _gen(sampler, _requests(plan, [2], prompts=("f",)))
     assert len(engine.serves) == 3
-    sampler.generate(_requests(plan, [1], prompts=("g",)))
+    _gen(sampler, _requests(plan, [1], prompts=("g",)))
     assert len(engine.serves) == 4
     # a new version resets what is served
     sampler.update(2, *server.weights(1))
-    sampler.generate(_requests(plan, [1], prompts=("h",), version=2))
+    _gen(sampler, _requests(plan, [1], prompts=("h",), version=2))
     assert len(engine.serves) == 5 and engine.serves[-1].posterior_version == 2
 
 
@@ -137,7 +144,7 @@ def test_requests_of_one_slot_with_different_n_share_the_serve(setup):
     sampler, engine, server = setup
     plan = server.plan(1)
     requests = _requests(plan, [0], prompts=("a",), n=1) + _requests(plan, [0], prompts=("b",), n=3)
-    completions = sampler.generate(requests)
+    completions = _gen(sampler, requests)
     assert len(engine.serves) == 1 and [ns for _, ns, _ in engine.generates] == [[1, 3]]
     assert [c.completion_id for c in completions] == ["g0/s0/0", "g0/s0/0", "g0/s0/1", "g0/s0/2"]
 
@@ -147,20 +154,20 @@ def test_a_request_for_another_version_is_refused_before_any_work(setup, hf_engi
     plan = server.plan(1)
     requests = _requests(plan, [0]) + _requests(plan, [1], version=2)
     with pytest.raises(ValueError, match=r"policy_version 2.*holds version 1"):
-        sampler.generate(requests)
+        _gen(sampler, requests)
     assert engine.serves == [] and engine.generates == [] and sampler.stats()["next_seq_no"] == 0
     fresh = Sampler(CountingEngine(hf_engine), engine_id=1, cfg=CFG)
     with pytest.raises(ValueError, match="holds version None: update first"):
-        fresh.generate(_requests(plan, [0]))
+        _gen(fresh, _requests(plan, [0]))
 
 
 
 def test_a_reissued_request_draws_the_same_tokens(setup):
     sampler, _, server = setup
     requests = _requests(server.plan(1), [0, 1])
-    first = sampler.generate(requests)
-    sampler.generate(_requests(server.plan(1), [2], prompts=("other",)))  # the engine moves on
-    again = sampler.generate(requests[::-1])  # and the batch is composed differently
+    first = _gen(sampler, requests)
+    _gen(sampler, _requests(server.plan(1), [2], prompts=("other",)))  # the engine moves on
+    again = _gen(sampler, requests[::-1])  # and the batch is composed differently
     by_id = {c.completion_id: c.token_ids for c in again}
     assert [by_id[c.completion_id] for c in first] == [c.token_ids for c in first]
     assert sorted(by_id) == sorted(c.completion_id for c in first)
@@ -171,7 +178,7 @@ def test_metrics_follow_the_stats(setup):
     metrics = PrometheusMetrics()
     sampler = Sampler(engine, engine_id=3, cfg=CFG, metrics=metrics)
     sampler.update(1, *server.weights(1))
-    completions = sampler.generate(_requests(server.plan(1), [0]))
+    completions = _gen(sampler, _requests(server.plan(1), [0]))
 
     def value(name):
         return metrics.registry.get_sample_value(name, {"engine_id": "3"})
@@ -188,14 +195,14 @@ def test_weights_corrupted_while_serving_are_flagged_and_reloaded(setup):
     sampler = Sampler(engine, engine_id=5, cfg=CFG, metrics=metrics)
     sampler.update(1, *server.weights(1))
     requests = _requests(server.plan(1), [1])
-    assert all(c.weights_verified for c in sampler.generate(requests))
+    assert all(c.weights_verified for c in _gen(sampler, requests))
     with torch.no_grad():
         next(iter(engine.inner._params.values())).view(-1)[3] += 1e-3  # a stray write into served weights
-    flagged = sampler.generate(requests)
+    flagged = _gen(sampler, requests)
     assert not any(c.weights_verified for c in flagged)
     assert metrics.registry.get_sample_value("threepo_weight_check_failures_total",
                                              {"engine_id": "5", "reason": "changed"}) == 1
-    healed = sampler.generate(requests)  # the slot is loaded afresh from m and σ
+    healed = _gen(sampler, requests)  # the slot is loaded afresh from m and σ
     assert all(c.weights_verified for c in healed) and len(engine.serves) == 2
 
 
@@ -217,10 +224,10 @@ def test_noise_lost_to_bf16_is_measured_and_warned_about(tiny_dense_path, caplog
     sampler.update(1, mean, tiny_sigma, checksum)
     item = TaskItem(uid="p", prompt="Q: 1+2= A: ", answer="3")
     with caplog.at_level(logging.WARNING):
-        sampler.generate([RolloutRequest("g/s0", "g", item, 1, 0, 77, 1)])
+        _gen(sampler, [RolloutRequest("g/s0", "g", item, 1, 0, 77, 1)])
     ratio = metrics.registry.get_sample_value("threepo_served_noise_ratio", {"engine_id": "2"})
     assert ratio < 0.5 and "exploration noise survives" in caplog.text
     fp32 = Sampler(HFEngine(tiny_dense_path, SamplerConfig(seed=4)), engine_id=3, cfg=SamplerConfig(max_new_tokens=4))
     fp32.update(1, mean, tiny_sigma, checksum)
-    fp32.generate([RolloutRequest("g/s0", "g", item, 1, 0, 77, 1)])
+    _gen(fp32, [RolloutRequest("g/s0", "g", item, 1, 0, 77, 1)])
     assert fp32.stats()["noise_ratio"] == pytest.approx(1.0, abs=1e-6)

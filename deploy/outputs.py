@@ -1,0 +1,110 @@
+"""What a training run writes as it goes, owned by the driver: `metrics.jsonl` (one row per learner
+step, plus held-out rows), the progress bar, the driver's Prometheus metrics, and where the time of
+each step went (generating, verifying, learning, the learner waiting for data, each engine's busy
+fraction).
+
+A resumed run continues the same file exactly: the checkpoint holds the byte length metrics.jsonl
+had at that step, the file is cut back to it, and held-out rows of steps up to the checkpoint that
+arrived after that point (evaluations run concurrently) are put back, so no step is recorded twice
+and none is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Window:
+    """Work seen by the driver since the last learner result (the step being logged)."""
+
+    started: float = field(default_factory=time.monotonic)
+    generate_s: Counter = field(default_factory=Counter)   # engine id -> engine seconds
+    tokens: Counter = field(default_factory=Counter)       # engine id -> tokens generated
+    verify_s: float = 0.0
+    learner_wait_s: float = 0.0
+
+    def figures(self, learn_s: float) -> dict:
+        wall = max(time.monotonic() - self.started, 1e-9)
+        out = {"time_window_s": wall, "time_generate_s": sum(self.generate_s.values()),
+               "time_verify_s": self.verify_s, "time_learn_s": learn_s, "time_learner_wait_s": self.learner_wait_s}
+        for engine, seconds in sorted(self.generate_s.items()):
+            out[f"engine_busy/engine{engine}"] = min(1.0, seconds / wall)
+            out[f"tokens_per_s/engine{engine}"] = self.tokens[engine] / wall
+        if self.generate_s:
+            out["engine_busy_mean"] = sum(min(1.0, s / wall) for s in self.generate_s.values()) / len(self.generate_s)
+        return out
+
+
+def resume_metrics_file(path: str, offset: int, step: int) -> None:
+    """Cut metrics.jsonl back to `offset` bytes (its length at the checkpoint of `step`), keeping
+    the held-out rows of steps ≤ `step` written after that point."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb") as f:
+        head, tail = f.read(offset), f.read()
+    late = [line for line in tail.decode().splitlines()
+            if line.strip() and "heldout_pass1" in json.loads(line) and json.loads(line).get("step", step + 1) <= step
+            and "reward_mean" not in json.loads(line)]
+    with open(path, "wb") as f:
+        f.write(head + "".join(line + "\n" for line in late).encode())
+
+
+class RunLog:
+    """metrics.jsonl, the progress bar and the driver's metrics of one run."""
+
+    def __init__(self, run_dir: str, label: str, total: int, initial: int) -> None:
+        from tqdm import tqdm
+
+        from threepo.deploy.metrics import RayMetrics
+        from threepo.services.metrics import register_catalogue
+
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.file = open(self.path, "a")
+        self.bar = tqdm(total=total, initial=initial, desc=label, unit="step")
+        self.metrics = register_catalogue(RayMetrics())
+        self.started = time.monotonic()
+
+    def step(self, row: dict) -> None:
+        self._write(row)
+        self.bar.set_postfix_str(f"reward {row.get('reward_mean', float('nan')):.2f} v{row.get('version')} "
+                                 f"stale {row.get('staleness_max', 0):.0f}")
+        self.bar.update(1)
+
+    def heldout(self, step: int, pass1: float, n: int) -> None:
+        self._write({"step": step, "heldout_pass1": pass1, "heldout_n": n})
+
+    def offset(self) -> int:
+        return self.file.tell()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def _write(self, row: dict) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.bar.close()
+        self.file.close()
+
+
+def record_driver_metrics(handles: dict, row: dict, counts, reported: dict) -> None:
+    """The step's queue depths, busy ratios and delivery counts into the Prometheus catalogue."""
+    handles["threepo_queue_depth"].set(row["groups_in_flight"], role="sampler")
+    handles["threepo_queue_depth"].set(row["groups_ready"], role="learner")
+    for key, value in row.items():
+        if key.startswith("engine_busy/engine"):
+            handles["threepo_engine_busy_ratio"].set(value, engine_id=key.removeprefix("engine_busy/engine"))
+    for role, seconds in (("sampler", row["time_generate_s"]), ("verifier", row["time_verify_s"]),
+                          ("learner", row["time_learn_s"])):
+        handles["threepo_busy_seconds_total"].inc(seconds, role=role)
+    handles["threepo_learner_wait_seconds_total"].inc(row["time_learner_wait_s"])
+    for reason, count in (("checksum", counts.rejected_weights), ("duplicate", counts.duplicates)):
+        if count > reported.get(reason, 0):
+            handles["threepo_rejected_completions_total"].inc(count - reported.get(reason, 0), reason=reason)
+            reported[reason] = count
