@@ -62,30 +62,60 @@ def save_tiny(directory: str) -> str:
     return directory
 
 
-def config(model: str, overrides=(), runs_dir: str = ""):
-    """The run config: defaults <- quiet-run settings <- `overrides`, serving `model`."""
+def config(model: str, overrides=(), runs_dir: str = "", recipe: str | None = None):
+    """The run config: defaults <- `recipe` (a TOML file or a name in deploy/configs) <- quiet-run
+    settings <- `overrides`, serving `model`."""
     from threepo.deploy.config import load_config
 
     extra = [f"runs_dir={runs_dir}"] if runs_dir else []
-    return load_config(None, [f"model.path={model}", *RUN_DEFAULTS, *extra, *overrides])
+    return load_config(recipe, [f"model.path={model}", *RUN_DEFAULTS, *extra, *overrides])
 
 
-def train_run(model: str, overrides, label: str) -> dict:
-    """One `threepo train` run (the real driver on local Ray) in a temporary directory; returns its
-    summary, its metrics rows and, from 3 steps on, loop figures (see `loop_figures`)."""
-    from threepo.deploy.cli import make_run_dir
-    from threepo.deploy.run import train
+def train_run(model: str, overrides, label: str, recipe: str | None = None, heldout: bool = False,
+              runs_dir: str = "") -> dict:
+    """One training run of the real driver on local Ray (`deploy.run.run` on the roles `threepo
+    train` starts, without its restore loop) in a temporary directory (or under `runs_dir`, kept).
+    Returns its summary, metrics rows, each sampler's stats at the end (`sampler_stats`), the time
+    for every role to be constructed (`startup_s`: processes, imports, models loaded), the wall time
+    of `run()` after that (`run_wall_s`), from 3 steps on the loop figures (`loop_figures`), and with
+    `heldout=True` the held-out report of its final checkpoint, evaluated as `threepo eval` does."""
+    import contextlib
+    import time
 
-    with tempfile.TemporaryDirectory(prefix="threepo-bench-") as runs:
-        cfg = config(model, overrides, runs)
+    import ray
+
+    from threepo.deploy.actors import init_ray, start_roles, stop_roles
+    from threepo.deploy.cli import evaluate_policy, make_run_dir
+    from threepo.deploy.run import run
+
+    keep = contextlib.nullcontext(runs_dir) if runs_dir else tempfile.TemporaryDirectory(prefix="threepo-bench-")
+    with keep as runs:
+        cfg = config(model, overrides, runs, recipe)
         run_dir = make_run_dir(cfg, "train")
         print(f"[{label}] {cfg.runtime.mode} {cfg.algo.exploration} N={cfg.algo.n_slots} "
               f"G={cfg.algo.group_size} optim={cfg.optim.name}, {cfg.runtime.steps} steps", file=sys.stderr)
-        summary = train(cfg, run_dir, model)
+        init_ray(cfg)
+        started = time.monotonic()
+        roles = start_roles(cfg, model, run_dir)
+        try:
+            actors = [roles.posterior, roles.learner, *roles.samplers, *roles.verifiers]
+            ray.get([a.__ray_ready__.remote() for a in actors])  # every role constructed: its model loaded
+            startup = time.monotonic() - started
+            started = time.monotonic()
+            summary = run(cfg, run_dir, roles)
+            wall = time.monotonic() - started
+            stats = ray.get([s.stats.remote() for s in roles.samplers])
+        finally:
+            stop_roles(roles)
+        report = evaluate_policy(cfg, summary["final_checkpoint"], label=f"{label} held-out") if heldout else None
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f]
-    return {"label": label, "summary": {k: v for k, v in summary.items() if k != "report"},
-            "rows": rows, **(loop_figures(rows) if len(rows) >= 3 else {})}
+    out = {"label": label, "summary": {k: v for k, v in summary.items() if k != "report"}, "startup_s": startup,
+           "run_wall_s": wall,
+           "rows": rows, "sampler_stats": stats, **(loop_figures(rows) if len(rows) >= 3 else {})}
+    if report is not None:
+        out["heldout"] = report.__dict__
+    return out
 
 
 def loop_figures(rows: list[dict]) -> dict:

@@ -1,0 +1,203 @@
+"""threepo against TRL's GRPOTrainer at equal rollouts (issue 10: threepo GRPO and C3PO at least
+1.3x TRL's completions/s, held-out pass@1 within noise of TRL's).
+
+Three trainings from the same checkpoint, on the same arithmetic train split in the same prompt
+order, with the same rollout budget (`--steps` x `runtime.prompts_per_step` prompts x
+`algo.group_size` rollouts; 250 x 8 x 16 = 32,000 by default), scored by the same verifier and
+sampled the same way (T=1, top-p 1, no top-k, `sampler.max_new_tokens` as threepo resolves it for
+the task: 16 for arith):
+- trl: TRL's GRPOTrainer in one process of its own (spawned, `torch.set_num_threads` = the
+  machine's cores), on CPU, with the checkpoint's own char tokenizer (AutoTokenizer; it has no chat
+  template, so prompts are plain text; it adds no special tokens, so TRL's prompt ids are those a
+  threepo engine feeds);
+- grpo: `threepo train --config grpo_baseline` (one clean policy, AdamW lr 1e-4);
+- c3po: `threepo train` (the default: C3PO, N=4, IVON).
+
+TRL's settings that differ from its defaults or that the comparison depends on, set explicitly:
+num_generations = algo.group_size (16); per_device_train_batch_size = prompts x group size (128),
+so one optimizer step sees 8 prompts x 16 completions; gradient_accumulation_steps 1;
+num_iterations 1 (one update per batch, as threepo's default); beta 0 (no reference model, as
+threepo's grpo_baseline); use_vllm False (HF generate); bf16 and fp16 off (fp32, as threepo);
+gradient_checkpointing off; AdamW (`adamw_torch`) at grpo_baseline's lr (1e-4) with a constant schedule, no warm-up,
+no weight decay, betas (0.9, 0.999), gradient norm clipped at 1.0 (threepo's grpo_baseline and
+`optim.grad_clip`); shuffle_dataset False over a dataset that lists the prompts in the order
+threepo's prompt stream admits them (`deploy.bookkeeping.PromptStream`, seed `seed`); logging
+once at the end, no saving during training, no reporting integrations. TRL keeps its own loss
+(`loss_type` "dapo", clip epsilon 0.2, group-scaled rewards).
+
+The reward: TRL's reward function scores each completion with threepo's verifier pool (math-verify
+through services/verifiers/math_verifier.py, the same format rules), a completion that ended
+without EOS being `length`-truncated exactly as a threepo engine reports it.
+
+Reported per side: training wall (TRL: `trainer.train()`, the model loaded and the trainer built
+before; threepo: `deploy.run.run` once every role's actor is constructed, its model loaded — the
+loop, the final checkpoint and report; the start-up is given beside it), completions/s = rollouts /
+that wall,
+and the held-out pass@1 of the final checkpoint (TRL's saved with `save_model` as an HF checkpoint),
+each evaluated the same way as `threepo eval model.path=<final dir>` (`deploy.cli.evaluate_policy`:
+the configured held-out items and samples), plus the starting checkpoint's. Ratios are threepo / TRL.
+
+    pip install -e '.[bench]'
+    python3 benchmarks/vs_trl.py [--steps 250] [--only trl grpo c3po] [section.field=value ...]
+    python3 benchmarks/vs_trl.py --quick --model tiny       # smoke: a few steps, a small evaluation
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import _common
+
+SIDES = ("trl", "grpo", "c3po")
+RECIPES = {"grpo": "grpo_baseline", "c3po": None}
+QUICK = ("eval.num_items=32", "eval.samples_per_item=2", "eval.k=2")
+
+
+def ordered_items(cfg, count: int) -> list:
+    """The first `count` prompts of threepo's prompt stream for `cfg` (its admission order)."""
+    from threepo.deploy.bookkeeping import PromptStream
+    from threepo.deploy.run import train_items
+
+    stream = PromptStream(train_items(cfg), cfg.seed)
+    return [stream[i] for i in range(count)]
+
+
+def trl_train(model: str, cfg, steps: int, out_dir: str) -> dict:
+    """Runs in a fresh process: TRL's GRPOTrainer for `steps` steps; the final model in `out_dir`."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from threepo.services.messages import VerifyRequest
+    from threepo.services.verifier_pool import VerifierPool
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    prompts, group = cfg.runtime.prompts_per_step, cfg.algo.group_size
+    items = ordered_items(cfg, steps * prompts)
+    by_uid = {it.uid: it for it in items}
+    tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    eos = {tokenizer.eos_token_id}
+    pool = VerifierPool(cfg.verifier.pool_config(""))
+    scored = {"completions": 0}
+
+    def reward(prompts, completions, completion_ids, uid, **_):
+        requests = [VerifyRequest(by_uid[u], text, "stop" if ids and ids[-1] in eos else "length")
+                    for u, text, ids in zip(uid, completions, completion_ids)]
+        scored["completions"] += len(requests)
+        return [r.reward for r in pool.verify_batch(requests)]
+
+    dataset = Dataset.from_list([{"prompt": it.prompt, "uid": it.uid} for it in items])
+    args = GRPOConfig(
+        output_dir=os.path.join(out_dir, "trainer"), use_cpu=True, seed=cfg.seed, max_steps=steps,
+        num_generations=group, per_device_train_batch_size=prompts * group, gradient_accumulation_steps=1,
+        num_iterations=1, beta=0.0, use_vllm=False, bf16=False, fp16=False, gradient_checkpointing=False,
+        learning_rate=cfg.optim.lr, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0, optim="adamw_torch",
+        temperature=1.0, top_p=1.0, top_k=0, max_completion_length=cfg.sampler.max_new_tokens,
+        shuffle_dataset=False, logging_steps=steps, save_strategy="no", report_to="none", disable_tqdm=True,
+        dataloader_num_workers=0, log_completions=False)
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, local_files_only=True),
+                          reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer)
+    started = time.monotonic()
+    output = trainer.train()
+    wall = time.monotonic() - started
+    final = os.path.join(out_dir, "final")
+    trainer.save_model(final)
+    tokenizer.save_pretrained(final)
+    import trl
+
+    return {"wall_s": wall, "completions": scored["completions"], "final_checkpoint": final,
+            "train_metrics": output.metrics, "log": trainer.state.log_history, "trl_version": trl.__version__,
+            "threads": torch.get_num_threads()}
+
+
+def _child(args, queue) -> None:
+    try:
+        queue.put(("ok", trl_train(*args)))
+    except BaseException as err:  # the parent reports it; a dead child would leave it waiting
+        queue.put(("error", f"{type(err).__name__}: {err}"))
+        raise
+
+
+def run_trl(model: str, cfg, steps: int, out_dir: str) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=((model, cfg, steps, out_dir), queue))
+    proc.start()
+    status, result = queue.get()
+    proc.join()
+    if status != "ok":
+        raise RuntimeError(f"TRL run failed: {result}")
+    return result
+
+
+def main() -> None:
+    p = _common.parser(__doc__)
+    p.add_argument("--steps", type=int, default=250, help="learner steps of every side")
+    p.add_argument("--only", nargs="+", choices=SIDES, default=list(SIDES), help="sides to run")
+    p.add_argument("--keep", default="", help="keep run directories and final checkpoints under this directory")
+    args = p.parse_args()
+    if args.quick:
+        args.steps = 4
+    overrides = [*(QUICK if args.quick else ()), *args.overrides]
+    model = _common.model_path(args)
+    work = args.keep or tempfile.mkdtemp(prefix="threepo-vs-trl-")
+    os.makedirs(work, exist_ok=True)
+    from threepo.deploy.cli import evaluate_policy
+
+    runs: dict = {}
+    try:
+        base = _common.config(model, [*overrides, f"runtime.steps={args.steps}"], recipe=RECIPES["grpo"])
+        budget = args.steps * base.runtime.prompts_per_step * base.algo.group_size
+        start = evaluate_policy(base, model, label="start held-out")
+        if "trl" in args.only:
+            print(f"[trl] GRPOTrainer, {args.steps} steps x {base.runtime.prompts_per_step} prompts x "
+                  f"{base.algo.group_size}", file=sys.stderr)
+            trl = run_trl(model, base, args.steps, os.path.join(work, "trl"))
+            report = evaluate_policy(base, trl["final_checkpoint"], label="trl held-out")
+            runs["trl"] = {**trl, "rollouts": trl["completions"], "heldout": report.__dict__}
+        for side in ("grpo", "c3po"):
+            if side in args.only:
+                r = _common.train_run(model, [*overrides, f"runtime.steps={args.steps}"], side,
+                                      recipe=RECIPES[side], heldout=True, runs_dir=os.path.join(work, side))
+                r["wall_s"], r["rollouts"] = r["run_wall_s"], r["summary"]["consumed_rollouts"]
+                runs[side] = r
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    for r in runs.values():
+        r["completions_per_s"] = r["rollouts"] / r["wall_s"]
+    ref = runs.get("trl")
+    rows = [["start checkpoint", "-", "-", "-", "-", start.pass_at_1, "-", "-"]]
+    for side, r in runs.items():
+        rows.append([side, r["rollouts"], r.get("startup_s", "-"), r["wall_s"], r["completions_per_s"],
+                     r["heldout"]["pass_at_1"],
+                     r["completions_per_s"] / ref["completions_per_s"] if ref else "-",
+                     r["heldout"]["pass_at_1"] - ref["heldout"]["pass_at_1"] if ref else "-"])
+    _common.table(f"threepo vs TRL GRPOTrainer: {args.steps} steps x {base.runtime.prompts_per_step} prompts x "
+                  f"{base.algo.group_size} rollouts = {budget:,} each, max_new_tokens {base.sampler.max_new_tokens}, "
+                  f"held-out {base.eval.num_items} items x {base.eval.samples_per_item} samples",
+                  ["run", "rollouts", "start-up s", "wall s", "completions/s", "held-out pass@1", "completions/s x trl",
+                   "pass@1 - trl"], rows)
+    ratios = {f"{side}/trl": {"completions_per_s": runs[side]["completions_per_s"] / ref["completions_per_s"],
+                              "wall": runs[side]["wall_s"] / ref["wall_s"],
+                              "heldout_pass1_diff": runs[side]["heldout"]["pass_at_1"] - ref["heldout"]["pass_at_1"]}
+              for side in ("grpo", "c3po") if ref and side in runs}
+    for name, r in ratios.items():
+        print(f"{name}: completions/s {r['completions_per_s']:.2f}x (target >= 1.3x), wall {r['wall']:.2f}x, "
+              f"held-out pass@1 {r['heldout_pass1_diff']:+.3f}")
+    _common.write_results("vs_trl", {
+        "model": model, "budget_rollouts": budget, "max_new_tokens": base.sampler.max_new_tokens,
+        "start_heldout": start.__dict__, "ratios": ratios,
+        "runs": {s: {k: v for k, v in r.items() if k not in ("rows", "log")} for s, r in runs.items()},
+        "rows": {s: r.get("rows", r.get("log")) for s, r in runs.items()}, "args": vars(args)})
+
+
+if __name__ == "__main__":
+    main()
