@@ -15,7 +15,10 @@ None is the clean mean (σ = 0). For one prompt, every slot produces `rollouts_p
 | c3po | N seeded | G/N | 1 × G shared by all slots | a fresh θ̂′ |
 
 Seeds come from a stable hash of (base_seed, version, slot) (`param_noise.tensor_seed`, blake2b),
-so every process derives the same plan. The gradient sample is fresh for every learner update
+so every process derives the same plan. A slot may carry a σ multiplier c (`Slot.scale`,
+θ̂ = m + c · σ ⊙ z): the plans `make_plan` builds have c = 1; `ExplorationPlan.scaled` is the variant
+the driver serves a re-admitted prompt from (dead-group-aware exploration, deploy/bookkeeping.py).
+The gradient sample is fresh for every learner update
 (`update_seed`, `gradient_points`): a version lives for several learner steps (the sync budget), and
 IVON's Price estimate ĥ = λ(h+δ) ε ⊙ ĝ assumes a new ε every step (§1.2), so B3PO and M3PO cannot
 reuse their slot's z at the gradient. Synchronous 3PO (§2.2: publish every step) takes B3PO's and
@@ -32,6 +35,7 @@ names (kind, gradient_at) are ours.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from threepo.algorithms.param_noise import tensor_seed
@@ -45,10 +49,13 @@ _GRADIENT_OF_KIND = {"grpo": "mean", "b3po": "fresh_sample", "m3po": "fresh_samp
 
 @dataclass(frozen=True)
 class Slot:
-    """One perturbation slot of a plan: θ̂ = m + σ ⊙ z(seed); `seed=None` is the clean mean."""
+    """One perturbation slot of a plan: θ̂ = m + c · σ ⊙ z(seed), c = `scale` (1 in every plan the
+    posterior server makes; `ExplorationPlan.scaled` gives the re-admission variant); `seed=None` is
+    the clean mean (c = 1)."""
 
     index: int
     seed: int | None
+    scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,8 @@ class ExplorationPlan:
         if any((s.seed is None) != (self.kind == "grpo") for s in self.slots):
             need = "seed None (σ = 0)" if self.kind == "grpo" else "a seed"
             raise ValueError(f"every slot of {self.kind} must have {need}, got {self.slots}")
+        if any(not s.scale > 0 or (s.seed is None and s.scale != 1.0) for s in self.slots):
+            raise ValueError(f"slot scales must be > 0, and 1 for the mean (seed None), got {self.slots}")
         if self.groups_per_prompt != (len(self.slots) if self.kind == "m3po" else 1):
             raise ValueError(f"groups_per_prompt={self.groups_per_prompt} does not fit {self.kind} "
                              f"with {len(self.slots)} slots")
@@ -95,6 +104,17 @@ class ExplorationPlan:
     def rollouts_per_prompt(self) -> int:
         """Rollouts generated per prompt over all slots (= groups_per_prompt × group_size)."""
         return len(self.slots) * self.rollouts_per_slot
+
+    def scaled(self, scale: float) -> ExplorationPlan:
+        """This plan with every slot's σ multiplied by `scale`: θ̂_k = m + c · σ ⊙ z(seed_k), same seeds,
+        grouping and gradient point. Dead-group-aware exploration serves a re-admitted prompt from it
+        (c > 1 where every rollout failed, c < 1 where every rollout passed); the rollouts report
+        behaviour log-probs of what was served, and whoever rebuilds a slot uses the same c.
+        Raises ValueError for grpo (σ = 0: there is no noise to scale) unless scale is 1."""
+        if scale != 1.0 and self.kind == "grpo":
+            raise ValueError(f"scale={scale}: grpo serves the mean (σ = 0), there is no noise to scale")
+        return dataclasses.replace(self, slots=tuple(Slot(s.index, s.seed, scale if s.seed is not None else 1.0)
+                                                      for s in self.slots))
 
     def group_of(self, slot_index: int) -> int:
         """Index (within its prompt) of the advantage group that slot `slot_index`'s rollouts join:

@@ -137,17 +137,21 @@ class IVON(torch.optim.Optimizer):
         return posterior_sigma(self.state[name]["hess"], group["ess"], group["weight_decay"])
 
     @contextlib.contextmanager
-    def sampled_params(self, seed: int | None, train: bool = True) -> Iterator[None]:
-        """Write θ̂ = m + σ ⊙ z(seed, name) into p.data (cast to its dtype), yield, restore m.
+    def sampled_params(self, seed: int | None, train: bool = True, scale: float = 1.0) -> Iterator[None]:
+        """Write θ̂ = m + c · σ ⊙ z(seed, name) into p.data (cast to its dtype), yield, restore m.
 
         With train=True the gradients left by the body are folded into the running (Welford)
         means ḡ = mean_k ĝ_k and mean_k ε_k ⊙ ĝ_k (or ĝ_k²), then zeroed (§1.2). If the body
         raises, nothing is accumulated; p.data is restored from the fp32 mean in every case.
+        `scale` (c, a slot's σ multiplier) rebuilds a scaled slot for evaluation only: the Price
+        estimate assumes ε ~ N(0, σ²), so a training sample must have c = 1.
         """
+        if train and scale != 1.0:
+            raise ValueError(f"sampled_params: a training sample needs scale 1 (ε ~ N(0, σ²)), got {scale}")
         try:
             with torch.no_grad():
                 for name, p in self._named():
-                    p.copy_(perturbed(self.state[name]["mean"], self._sigma(name), seed, name))
+                    p.copy_(perturbed(self.state[name]["mean"], self._sigma(name), seed, name, scale))
             yield
             if train:
                 self._accumulate(seed)

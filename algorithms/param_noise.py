@@ -40,23 +40,27 @@ def posterior_sigma(hess: torch.Tensor, ess: float, weight_decay: float) -> torc
     return torch.rsqrt(ess * (hess.float() + weight_decay))
 
 
-def perturbed(mean: torch.Tensor, sigma: torch.Tensor, seed: int | None, name: str) -> torch.Tensor:
-    """θ̂ = m + σ ⊙ z(seed, name) in fp32; `seed=None` returns a fp32 copy of m (the clean mean)."""
+def perturbed(mean: torch.Tensor, sigma: torch.Tensor, seed: int | None, name: str,
+              scale: float = 1.0) -> torch.Tensor:
+    """θ̂ = m + c · σ ⊙ z(seed, name) in fp32, c = `scale` (a slot's σ multiplier; 1 = the posterior
+    sample itself); `seed=None` returns a fp32 copy of m (the clean mean; `scale` must then be 1).
+    Every consumer of a slot calls this with the same (seed, scale), so θ̂ is bit-identical everywhere."""
     assert mean.shape == sigma.shape, f"{name}: mean {tuple(mean.shape)} vs sigma {tuple(sigma.shape)}"
+    assert scale > 0 and (seed is not None or scale == 1.0), f"{name}: scale {scale} with seed {seed}"
     theta = mean.detach().float().clone()
     if seed is not None:
         # z is always drawn on the CPU (identical streams everywhere), then moved to the weights
-        theta.addcmul_(sigma.float(), noise_like(seed, name, mean.shape).to(theta.device))
+        theta.addcmul_(sigma.float(), noise_like(seed, name, mean.shape).to(theta.device), value=scale)
     return theta
 
 
 def perturbed_state(
-    means: Mapping[str, torch.Tensor], sigmas: Mapping[str, torch.Tensor], seed: int | None
+    means: Mapping[str, torch.Tensor], sigmas: Mapping[str, torch.Tensor], seed: int | None, scale: float = 1.0
 ) -> dict[str, torch.Tensor]:
-    """θ̂ for every named tensor: {name: m + σ ⊙ z(seed, name)}. Tensors absent from `sigmas`
-    (buffers, frozen parameters) are copied unperturbed."""
+    """θ̂ for every named tensor: {name: m + c · σ ⊙ z(seed, name)}, c = `scale`. Tensors absent from
+    `sigmas` (buffers, frozen parameters) are copied unperturbed."""
     return {
-        name: perturbed(m, sigmas[name], seed, name) if name in sigmas else m.detach().float().clone()
+        name: perturbed(m, sigmas[name], seed, name, scale) if name in sigmas else m.detach().float().clone()
         for name, m in means.items()
     }
 

@@ -78,6 +78,7 @@ class TrainBatch:
     rewards: torch.Tensor      # [B/G, G] fp64
     slots: torch.Tensor        # [B/G, G] slot index of each rollout
     slot_seeds: list           # [B] seed of the slot that sampled each rollout
+    slot_scales: list          # [B] σ multiplier c of that slot (θ̂ = m + c · σ ⊙ z(seed))
     statuses: np.ndarray       # [B] uint8 status codes
     texts: list                # [B] decoded completions (LamPO's ROUGE-L)
     solutions: list            # [B/G] reference solutions of the groups' items
@@ -122,7 +123,8 @@ def collate(groups: Sequence[GroupRows], batches: Sequence[CompletionBatch], sco
         logp_behav=torch.from_numpy(logp_behav),
         rewards=torch.tensor([float(scores[b].rewards[r]) for b, r in rows], dtype=torch.float64).view(-1, g),
         slots=torch.tensor([req.slot for *_, req in pieces]).view(-1, g),
-        slot_seeds=[req.slot_seed for *_, req in pieces], statuses=statuses,
+        slot_seeds=[req.slot_seed for *_, req in pieces], slot_scales=[req.slot_scale for *_, req in pieces],
+        statuses=statuses,
         texts=[batches[b].texts[r] for b, r in rows], solutions=[grp.item.solution for grp in groups],
         published_steps=np.array([grp.published_step for grp in groups], dtype=np.int64))
 
@@ -141,7 +143,8 @@ def completions_of(batch: CompletionBatch) -> list[Completion]:
             weights_verified=bool(batch.verified[rp]),
             prompt_ids=tuple(batch.prompt_ids[batch.prompt_offsets[rp]:batch.prompt_offsets[rp + 1]].tolist()),
             token_ids=tuple(batch.token_ids[lo:hi].tolist()), logprobs=tuple(batch.logprobs[lo:hi].tolist()),
-            finish_reason="stop" if batch.finish_stop[r] else "length", text=batch.texts[r]))
+            finish_reason="stop" if batch.finish_stop[r] else "length", text=batch.texts[r],
+            slot_scale=req.slot_scale))
     return out
 
 
@@ -167,10 +170,11 @@ def batches_from_groups(groups: Sequence[Group]) -> tuple[list[GroupRows], list[
         parts, by_request = [], {}
         for s in g.completions:
             c = s.completion
-            by_request.setdefault((c.request_id, c.slot, c.slot_seed), []).append(s)
-        for (rid, _, _), scored in by_request.items():
+            by_request.setdefault((c.request_id, c.slot, c.slot_seed, c.slot_scale), []).append(s)
+        for (rid, *_), scored in by_request.items():
             c0 = scored[0].completion
-            request = RolloutRequest(rid, g.group_id, g.item, c0.policy_version, c0.slot, c0.slot_seed, len(scored))
+            request = RolloutRequest(rid, g.group_id, g.item, c0.policy_version, c0.slot, c0.slot_seed, len(scored),
+                                     slot_scale=c0.slot_scale)
             samples = [GeneratedSample(s.completion.token_ids, s.completion.logprobs, s.completion.finish_reason,
                                        s.completion.text) for s in scored]
             batches.append(completion_batch(

@@ -151,32 +151,34 @@ class Learner:
                 updates.append([(seed, rows[torch.tensor(at)]) for seed, at in points])
         return updates
 
-    def _at(self, seed: int | None, train: bool = True):
-        """Context placing the model at θ̂ = m + σ ⊙ z(seed) (IVON) or leaving it as it is (AdamW)."""
+    def _at(self, seed: int | None, train: bool = True, scale: float = 1.0):
+        """Context placing the model at θ̂ = m + c · σ ⊙ z(seed), c = `scale` (IVON; c ≠ 1 only to
+        rebuild a scaled slot, never to train) or leaving it as it is (AdamW)."""
         ivon = self.optim_cfg.name == "ivon"
-        return self.opt.sampled_params(seed, train=train) if ivon else contextlib.nullcontext()
+        return self.opt.sampled_params(seed, train=train, scale=scale) if ivon else contextlib.nullcontext()
 
     def _start_logprobs(self, batch: TrainBatch, updates: list) -> StartLogprobs:
         """Token log-probs at the start of the step (no grad), for every point that needs them before
-        the weights move: the π_prox of updates ≥ 1, every rollout's own slot θ̂ at the current
-        (m, σ) for the drift diagnostic, and for LamPO also update 0's π_prox (Δs comes first).
-        Update 0's π_prox is otherwise its own first forward (stored by `step`)."""
+        the weights move: the π_prox of updates ≥ 1, every rollout's own slot θ̂ = m + c · σ ⊙ z(seed)
+        at the current (m, σ) with the slot's own σ multiplier c for the drift diagnostic, and for
+        LamPO also update 0's π_prox (Δs comes first). Update 0's π_prox is otherwise its own first
+        forward (stored by `step`). Points are (seed, c); gradient points have c = 1."""
         lampo, need = self.algo.advantage == "lampo", {}
-        for r, seed in enumerate(batch.slot_seeds):
-            need.setdefault(seed, set()).add(r)
+        for r, point in enumerate(zip(batch.slot_seeds, batch.slot_scales)):
+            need.setdefault(point, set()).add(r)
         for u, points in enumerate(updates):
             for seed, rows in points:
                 if u or lampo:
-                    need.setdefault(seed, set()).update(rows.tolist())
+                    need.setdefault((seed, 1.0), set()).update(rows.tolist())
         for seed, rows in ([] if lampo or not updates else updates[0]):
-            need.get(seed, set()).difference_update(rows.tolist())
+            need.get((seed, 1.0), set()).difference_update(rows.tolist())
         start = StartLogprobs(batch.mask.shape)
-        for seed, rows in need.items():
+        for (seed, scale), rows in need.items():
             if rows:
                 idx = torch.tensor(sorted(rows))
-                with torch.no_grad(), self._at(seed, train=False):
+                with torch.no_grad(), self._at(seed, train=False, scale=scale):
                     logits = self.model(input_ids=batch.input_ids[idx], attention_mask=batch.attn[idx]).logits
-                start.put(seed, idx, losses.token_logprobs(logits[:, :-1], batch.targets[idx], self.temperature))
+                start.put(seed, idx, losses.token_logprobs(logits[:, :-1], batch.targets[idx], self.temperature), scale)
         return start
 
     def _backward(self, batch: TrainBatch, rows: torch.Tensor, advantages: torch.Tensor,
@@ -226,14 +228,15 @@ class Learner:
         return loss_tok * weights, mask_eff, metrics
 
     def _drift_metrics(self, batch: TrainBatch, start: StartLogprobs, updates: list) -> dict:
-        """Behaviour μ against (a) each rollout's own slot rebuilt at the start-of-step (m, σ): the
-        drift the sync budget acts on (`*_drift`), and (b) the π_prox of its first update (what the
+        """Behaviour μ against (a) each rollout's own slot rebuilt at the start-of-step (m, σ) with its
+        own σ multiplier: the drift the sync budget acts on (`*_drift`), and (b) the π_prox of its first update (what the
         importance weights correct to: drift plus the noise between z and z′; updated rows only;
         a step without an update reports the drift values there)."""
         same_slot = torch.zeros_like(batch.logp_behav)
-        for seed in set(batch.slot_seeds):
-            rows = torch.tensor([r for r, x in enumerate(batch.slot_seeds) if x == seed])
-            same_slot[rows] = start.get(seed, rows)
+        points = list(zip(batch.slot_seeds, batch.slot_scales))
+        for seed, scale in set(points):
+            rows = torch.tensor([r for r, x in enumerate(points) if x == (seed, scale)])
+            same_slot[rows] = start.get(seed, rows, scale)
         drift = off_policy.behaviour_drift(same_slot, batch.logp_behav, batch.mask)
         out = {"kl_k3_drift": float(drift["kl_k3"]), "ess_frac_drift": float(drift["ess_frac"]),
                "kl_k3": float(drift["kl_k3"]), "ess_frac": float(drift["ess_frac"])}

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
-SCHEMA_VERSION = 3  # 2: Completion carries mean_checksum, weights_verified; 3: Group carries the step
+SCHEMA_VERSION = 4  # 2: Completion carries mean_checksum, weights_verified; 3: Group carries the step;
+# 4: RolloutRequest and Completion carry the slot's σ multiplier (slot_scale)
 
 
 class VerifyStatus(str, enum.Enum):
@@ -99,15 +100,23 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class NoiseSpec:
-    """Which perturbed policy to serve: θ̂ = m + σ ⊙ z(seed). `seed=None` serves the clean mean."""
+    """Which perturbed policy to serve: θ̂ = m + c · σ ⊙ z(seed), c = `scale` (the slot's σ multiplier,
+    `algorithms.exploration.Slot.scale`). `seed=None` serves the clean mean (c must be 1)."""
 
     posterior_version: int
     seed: int | None
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.scale > 0 or (self.seed is None and self.scale != 1.0):
+            raise ValueError(f"NoiseSpec.scale: expected > 0, and 1 for the mean (seed None), got {self.scale}")
 
 
 @dataclass(frozen=True)
 class RolloutRequest:
-    """Driver -> sampler: `n` rollouts of `item` from slot `slot` of version `policy_version`.
+    """Driver -> sampler: `n` rollouts of `item` from slot `slot` of version `policy_version`, served as
+    θ̂ = m + c · σ ⊙ z(slot_seed) with c = `slot_scale` (1 unless the prompt was re-admitted by
+    dead-group-aware exploration).
 
     `request_id` is unique per admitted request and deterministic (group id + slot), so a request
     re-issued after a sampler crash yields completions with the same ids, which the learner then
@@ -120,6 +129,7 @@ class RolloutRequest:
     slot: int
     slot_seed: int | None
     n: int
+    slot_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -127,7 +137,8 @@ class Completion:
     """One sampled completion with everything the learner needs to correct for off-policyness.
 
     `logprobs` are the behaviour log-probs of the sampling distribution (after temperature, top-k,
-    top-p), one per generated token. `mean_checksum` is the exact checksum of the posterior mean the
+    top-p), one per generated token, of the policy the engine served: θ̂ = m + c · σ ⊙ z(slot_seed),
+    c = `slot_scale`. `mean_checksum` is the exact checksum of the posterior mean the
     engine built the slot's weights from (`algorithms.param_noise.weights_checksum`; the driver
     compares it with the version's published one); `weights_verified` says the engine's own checks
     held around the call (its backend held exactly the θ̂ it fed, unchanged while sampling).
@@ -149,6 +160,7 @@ class Completion:
     logprobs: tuple[float, ...]
     finish_reason: str
     text: str
+    slot_scale: float = 1.0
 
 
 @dataclass(frozen=True)

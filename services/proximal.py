@@ -2,7 +2,8 @@
 
 Every optimizer update of a step compares π_θ with the policy at the start of the step at that
 update's gradient point θ̂′ = m₀ + σ₀ ⊙ z(seed) (seed None: the mean), and the sync budget compares
-each rollout's behaviour log-probs with its own slot rebuilt from (m₀, σ₀). The learner computes
+each rollout's behaviour log-probs with its own slot rebuilt from (m₀, σ₀) and the slot's σ
+multiplier c (θ̂ = m₀ + c · σ₀ ⊙ z(seed); gradient points have c = 1). The learner computes
 these once, before the weights move, row by row into one [B, T] tensor per seed; rows asked for
 twice are computed once. Not here: the forward passes themselves (services/learner.py).
 """
@@ -13,24 +14,26 @@ import torch
 
 
 class StartLogprobs:
-    """Token log-probs [B, T] at the start-of-step weights, per gradient-point seed, filled row by row."""
+    """Token log-probs [B, T] at the start-of-step weights, per point (seed, σ multiplier), filled row by row."""
 
     def __init__(self, shape: torch.Size) -> None:
         self.shape, self.logp, self.have = shape, {}, {}
 
-    def put(self, seed: int | None, rows: torch.Tensor, logp: torch.Tensor) -> None:
-        self.logp.setdefault(seed, torch.zeros(self.shape))[rows] = logp
-        self.have.setdefault(seed, torch.zeros(self.shape[0], dtype=torch.bool))[rows] = True
+    def put(self, seed: int | None, rows: torch.Tensor, logp: torch.Tensor, scale: float = 1.0) -> None:
+        point = (seed, scale)
+        self.logp.setdefault(point, torch.zeros(self.shape))[rows] = logp
+        self.have.setdefault(point, torch.zeros(self.shape[0], dtype=torch.bool))[rows] = True
 
-    def get(self, seed: int | None, rows: torch.Tensor) -> torch.Tensor | None:
-        """The rows' log-probs at `seed`, or None if some were not computed."""
-        done = seed in self.have and bool(self.have[seed][rows].all())
-        return self.logp[seed][rows] if done else None
+    def get(self, seed: int | None, rows: torch.Tensor, scale: float = 1.0) -> torch.Tensor | None:
+        """The rows' log-probs at (`seed`, `scale`), or None if some were not computed."""
+        point = (seed, scale)
+        done = point in self.have and bool(self.have[point][rows].all())
+        return self.logp[point][rows] if done else None
 
     def first(self, updates: list) -> torch.Tensor:
         """[B, T]: each row's π_prox at its first update (rows in no update stay 0)."""
         out, done = torch.zeros(self.shape), torch.zeros(self.shape[0], dtype=torch.bool)
         for seed, rows in (point for points in updates for point in points):
             fresh = rows[~done[rows]]
-            out[fresh], done[fresh] = self.logp[seed][fresh], True
+            out[fresh], done[fresh] = self.logp[(seed, 1.0)][fresh], True
         return out

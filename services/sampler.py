@@ -3,8 +3,8 @@ role 2).
 
 A Sampler holds one engine (services/engines/) and the posterior version it was last given. Calls are
 sequential, so a new version (`update`) takes effect at the next request boundary by construction.
-`generate` serves each (version, slot seed) of a batch once — the engine regenerates the slot's noise
-locally from the seed — and samples all of that slot's prompts together. A call's completions come
+`generate` serves each (version, slot seed, σ multiplier) of a batch once — the engine regenerates the
+slot's noise locally from the seed and scales it — and samples all of that slot's prompts together. A call's completions come
 back as one `CompletionBatch` (arrays, services/messages.py) carrying what the driver and learner need
 for exactly-once delivery, off-policy correction and the weight check: deterministic completion ids
 (request id / index, so a re-issued request yields the same ids), this engine's id and incarnation
@@ -90,15 +90,15 @@ class Sampler:
             if r.policy_version != self.version:
                 raise ValueError(f"request {r.request_id!r} wants policy_version {r.policy_version}, but "
                                  f"sampler {self.engine_id} holds version {self.version}: update first")
-        by_slot: dict[int | None, list[int]] = {}
+        by_slot: dict[tuple, list[int]] = {}  # (seed, σ multiplier) -> request indices
         for i, r in enumerate(requests):
-            by_slot.setdefault(r.slot_seed, []).append(i)
+            by_slot.setdefault((r.slot_seed, r.slot_scale), []).append(i)
         samples: list = [None] * len(requests)
         prompts: list = [None] * len(requests)
         verified = [False] * len(requests)
         started = time.perf_counter()
-        for seed, indices in by_slot.items():
-            report = self._serve(NoiseSpec(self.version, seed))
+        for (seed, scale), indices in by_slot.items():
+            report = self._serve(NoiseSpec(self.version, seed, scale))
             checksum = report.mean_checksum  # one version per call: every slot is built from one mean
             drawn = self._sample([requests[i] for i in indices])
             unchanged = self.engine.verify()  # the weights the samples came from are still those loaded
@@ -128,7 +128,8 @@ class Sampler:
     def _serve(self, noise: NoiseSpec) -> ServeReport:
         # the engine keeps serving one policy between calls: re-serving it would reload every weight
         current = self._serving
-        if current is None or (current.version, current.seed) != (noise.posterior_version, noise.seed):
+        if current is None or (current.version, current.seed, current.scale) != (noise.posterior_version, noise.seed,
+                                                                                 noise.scale):
             started = time.perf_counter()
             self._serving = self.engine.serve(noise)
             self._stats["serve_s"] += time.perf_counter() - started

@@ -2,7 +2,7 @@
 
 An engine serves one policy at a time. It holds the published posterior mean m and σ of one version
 (one transfer per version, whatever the number of slots) and, for a slot, serves
-θ̂ = m + σ ⊙ z(seed) with z regenerated where the engine's weights live, from (seed, parameter
+θ̂ = m + c · σ ⊙ z(seed) (c the slot's σ multiplier, 1 unless scaled) with z regenerated where the engine's weights live, from (seed, parameter
 name) in fp32 (`algorithms.param_noise`); it serves the clean mean again by rebuilding it from m
 (never by subtracting noise). Switching policy happens only between `generate` calls — at a
 request boundary — and never restarts the engine.
@@ -120,8 +120,9 @@ class ServeReport:
     seed: int | None
     mean_checksum: str
     loaded_ok: bool
-    noise_ratio: float  # ‖θ̂_served − m_served‖ / ‖σ ⊙ z‖; 1.0 for the mean
+    noise_ratio: float  # ‖θ̂_served − m_served‖ / ‖c · σ ⊙ z‖; 1.0 for the mean
     detail: str = ""
+    scale: float = 1.0  # the slot's σ multiplier c
 
 
 class WeightsMismatch(RuntimeError):
@@ -138,8 +139,9 @@ class Engine(Protocol):
         device, check the mean against `mean_checksum` (raise WeightsMismatch), serve the mean."""
 
     def serve(self, noise: NoiseSpec) -> ServeReport:
-        """Serve θ̂ = m + σ ⊙ z(noise.seed) (seed None: the mean) of the held version; forget any
-        prefix/KV state computed under other weights."""
+        """Serve θ̂ = m + c · σ ⊙ z(noise.seed), c = noise.scale (seed None: the mean) of the held
+        version, built by `param_noise.perturbed` exactly as the learner rebuilds it; forget any
+        prefix/KV state computed under other weights (another seed or scale included)."""
 
     def encode(self, prompt: str) -> tuple[int, ...]:
         """Token ids of a prompt with the served model's tokenizer (no special tokens added)."""

@@ -125,7 +125,7 @@ class HFEngine:
         self._params = dict(trainable_named_parameters(self.model))
         self._mean = {n: p.detach().float().clone() for n, p in self._params.items()}
         self._sigma: dict[str, torch.Tensor] | None = None
-        self._slots: dict[int | None, tuple[dict[str, torch.Tensor], float]] = {}  # served θ̂, noise ratio
+        self._slots: dict[tuple, tuple[dict[str, torch.Tensor], float]] = {}  # (seed, scale) -> served θ̂, noise ratio
         self.version, self.mean_checksum = 0, param_noise.weights_checksum(self._mean.items())
         self.paused = False
         self.report = self.serve(NoiseSpec(posterior_version=0, seed=None))
@@ -153,22 +153,23 @@ class HFEngine:
         if noise.seed is not None and self._sigma is None:
             raise ValueError(f"engine {self.engine_id}: a seeded slot needs σ, but version "
                              f"{self.version} was published without one")
-        if noise.seed in self._slots:
-            served, ratio = self._slots[noise.seed]
+        key = (noise.seed, noise.scale)
+        if key in self._slots:
+            served, ratio = self._slots[key]
         else:
-            theta = param_noise.perturbed_state(self._mean, self._sigma or {}, noise.seed)
+            theta = param_noise.perturbed_state(self._mean, self._sigma or {}, noise.seed, noise.scale)
             served = {n: t.to(self.dtype) for n, t in theta.items()}
             parts = [param_noise.served_noise_ratio(self._mean[n], theta[n], self.dtype) for n in theta]
             intended = sum(b for _, b in parts)
             ratio = (sum(a for a, _ in parts) / intended) ** 0.5 if intended else 1.0
             if noise.seed is not None and len(self._slots) < self.cfg.slot_cache:
-                self._slots[noise.seed] = (served, ratio)
+                self._slots[key] = (served, ratio)
         with torch.no_grad():
             for name, p in self._params.items():
                 p.copy_(served[name])  # in place: never rebind storage, never subtract noise
         self._fingerprint = param_noise.value_fingerprint(served.values())
         loaded_ok = self.verify()
-        self.report = ServeReport(self.version, noise.seed, self.mean_checksum, loaded_ok, ratio)
+        self.report = ServeReport(self.version, noise.seed, self.mean_checksum, loaded_ok, ratio, scale=noise.scale)
         return self.report
 
     def encode(self, prompt: str) -> tuple[int, ...]:

@@ -7,8 +7,8 @@ loaders of `engines/sglang_loader.py`, and every weight operation is an
 SGLang runs inside every tensor-parallel worker as `loader(model, named_tensors)`:
 - `load_version` sends m and σ (fp32) with load_format `store`: each worker checks the mean's
   checksum, keeps (m, σ) on its device and serves the mean;
-- `serve` sends only the seed with load_format `serve`: each worker builds θ̂ = m + σ ⊙ z(seed, name)
-  from HF names and feeds it to `model.load_weights` (fusion and sharding are SGLang's), then
+- `serve` sends only the seed and the slot's σ multiplier c with load_format `serve`: each worker
+  builds θ̂ = m + c · σ ⊙ z(seed, name) from HF names and feeds it to `model.load_weights` (fusion and sharding are SGLang's), then
   compares the fingerprint of what the model holds with what it fed; `flush_cache=True` empties the
   radix cache, so no KV state computed under other weights is reused;
 - `verify` sends load_format `verify`: each worker re-reads its served weights.
@@ -45,6 +45,13 @@ def control(name: str, values: Sequence[int]):
     import torch
 
     return (f"{_CONTROL}/{name}", torch.tensor(list(values), dtype=torch.int64))
+
+
+def scale_tensor(scale: float):
+    """A slot's σ multiplier as a float64 control tensor (exact for any Python float)."""
+    import torch
+
+    return (f"{_CONTROL}/scale", torch.tensor([scale], dtype=torch.float64))
 
 
 def checksum_tensor(checksum: str):
@@ -92,10 +99,10 @@ class SGLangEngine:
             raise ValueError(f"engine {self.engine_id} holds version {self.version}, asked to serve "
                              f"{noise.posterior_version}: load_version first")
         seed = [] if noise.seed is None else [noise.seed]
-        ok, message = self._update([control("seed", seed)], "serve", flush_cache=True)
-        ratio = 1.0 if noise.seed is None else self._noise_ratio
+        ok, message = self._update([control("seed", seed), scale_tensor(noise.scale)], "serve", flush_cache=True)
+        ratio = 1.0 if noise.seed is None else self._noise_ratio  # estimated at c = 1
         self.report = ServeReport(self.version, noise.seed, self.mean_checksum, ok, ratio,
-                                  detail="" if ok else message)
+                                  detail="" if ok else message, scale=noise.scale)
         return self.report
 
     def _update(self, named: list, op: str, *, flush_cache: bool) -> tuple[bool, str]:

@@ -8,8 +8,8 @@ the adapter treats as a failed update.
 
 - `store`: tensors `m/<name>`, `s/<name>`, `__threepo__/version`, `__threepo__/checksum`: check the
   mean's exact checksum, keep fp32 (m, σ) and serve the mean;
-- `serve`: `__threepo__/seed` (empty: the mean): build θ̂ = m + σ ⊙ z(seed, name) in fp32, cast to the
-  model's dtype, `model.load_weights`, and compare the layout-invariant fingerprint of the model's
+- `serve`: `__threepo__/seed` (empty: the mean) and `__threepo__/scale` (float64, the slot's σ
+  multiplier c): build θ̂ = m + c · σ ⊙ z(seed, name) in fp32, cast to the model's dtype, `model.load_weights`, and compare the layout-invariant fingerprint of the model's
   parameters with the fed tensors (single-rank only: tensor-parallel ranks hold shards);
 - `verify`: the served weights are still those loaded.
 
@@ -37,17 +37,19 @@ def store(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]])
     if received != expected:
         raise RuntimeError(f"threepo: the received mean has checksum {received}, the learner published {expected}")
     _STATE[id(model)] = {"mean": mean, "sigma": sigma or None, "version": int(tensors[_CONTROL + "version"][0])}
-    serve(model, [(_CONTROL + "seed", torch.zeros(0, dtype=torch.int64))])
+    serve(model, [(_CONTROL + "seed", torch.zeros(0, dtype=torch.int64)),
+                  (_CONTROL + "scale", torch.ones(1, dtype=torch.float64))])
 
 
 def serve(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-    state = _STATE[id(model)]
-    seeds = dict(named_tensors)[_CONTROL + "seed"].tolist()
+    state, tensors = _STATE[id(model)], dict(named_tensors)
+    seeds = tensors[_CONTROL + "seed"].tolist()
     seed = int(seeds[0]) if seeds else None
+    scale = float(tensors[_CONTROL + "scale"][0])
     if seed is not None and state["sigma"] is None:
         raise RuntimeError(f"threepo: version {state['version']} has no σ, so seed {seed} cannot be served")
     dtype = next(model.parameters()).dtype
-    theta = param_noise.perturbed_state(state["mean"], state["sigma"] or {}, seed)
+    theta = param_noise.perturbed_state(state["mean"], state["sigma"] or {}, seed, scale)
     served = [(n, t.to(dtype)) for n, t in theta.items()]
     model.load_weights(served)
     state["loaded"] = _fingerprint(model)

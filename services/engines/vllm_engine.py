@@ -6,7 +6,7 @@ uses vLLM's own scheduler and sampler with `logprobs_mode="processed_logprobs"`,
 behaviour log-probs are those of the distribution actually sampled (after temperature, top-k and
 top-p), the quantity the learner's importance weights compare with. Each request carries its own
 seed (sample j of a request with n > 1 draws from seed + j, vLLM's rule) and a `cache_salt` of
-(version, slot, mean checksum), so the prefix cache can never reuse KV state computed under other
+(version, slot seed and σ multiplier, mean checksum), so the prefix cache can never reuse KV state computed under other
 weights; switching weights also resets the cache, which frees blocks that no future request can use.
 
 Weights reach the engine once per version, m and σ in fp32, through Ray's object store into
@@ -84,12 +84,12 @@ class VLLMEngine:
         if noise.posterior_version != self.version or not self.mean_checksum:
             raise ValueError(f"engine {self.engine_id} holds version {self.version}, asked to serve "
                              f"{noise.posterior_version}: load_version first")
-        results = self.llm.collective_rpc("threepo_serve", args=(noise.seed,))
+        results = self.llm.collective_rpc("threepo_serve", args=(noise.seed, noise.scale))
         self.llm.reset_prefix_cache()
         intended = sum(r["noise_intended"] for r in results)
         ratio = math.sqrt(sum(r["noise_served"] for r in results) / intended) if intended else 1.0
         self.report = ServeReport(self.version, noise.seed, self.mean_checksum,
-                                  all(r["loaded_ok"] for r in results), ratio)
+                                  all(r["loaded_ok"] for r in results), ratio, scale=noise.scale)
         return self.report
 
     def encode(self, prompt: str) -> tuple[int, ...]:
@@ -101,7 +101,7 @@ class VLLMEngine:
 
         if self.paused:
             raise RuntimeError(f"engine {self.engine_id} is paused: resume() before generate")
-        salt = f"v{self.version}-s{self.report.seed}-{self.mean_checksum[:8]}"
+        salt = f"v{self.version}-s{self.report.seed}x{self.report.scale!r}-{self.mean_checksum[:8]}"
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids), cache_salt=salt) for r in requests]
         sampling = [VllmParams(n=r.n, seed=r.seed % (1 << 63), temperature=params.temperature,
                                top_p=params.top_p, top_k=params.top_k, max_tokens=params.max_new_tokens,

@@ -3,7 +3,7 @@
 vLLM builds its worker class with this one as an extra base, so these methods run inside each worker
 process (one per tensor-parallel rank), next to the model on the worker's device, and are called
 through `LLM.collective_rpc`. They hold the version's fp32 mean m and σ on that device, build
-θ̂ = m + σ ⊙ z(seed, name) there from HF parameter names (`algorithms.param_noise`, exactly as the
+θ̂ = m + c · σ ⊙ z(seed, name) there (c the slot's σ multiplier) from HF parameter names (`algorithms.param_noise`, exactly as the
 learner builds it) and hand θ̂ to vLLM's own reload path (`Worker.reload_weights` with checkpoint-
 format tensors): fusing q/k/v and gate/up, sharding across ranks, vocabulary padding and the CPU
 backend's oneDNN re-packing are vLLM's business, not ours.
@@ -50,14 +50,14 @@ class ThreepoWorkerExtension:
         self.threepo_serve(None)
         return received
 
-    def threepo_serve(self, seed: int | None) -> dict:
-        """Load θ̂ = m + σ ⊙ z(seed) (seed None: the mean) through vLLM's reload path; report whether
-        the model holds exactly what was fed, and the served / intended noise energies."""
+    def threepo_serve(self, seed: int | None, scale: float = 1.0) -> dict:
+        """Load θ̂ = m + c · σ ⊙ z(seed), c = `scale` (seed None: the mean) through vLLM's reload path;
+        report whether the model holds exactly what was fed, and the served / intended noise energies."""
         dtype = self.model_config.dtype
         sigma = self._threepo_sigma or {}
         served, noise_served, noise_intended = {}, 0.0, 0.0
         for name, m in self._threepo_mean.items():
-            theta = param_noise.perturbed(m, sigma[name], seed, name) if seed is not None else m
+            theta = param_noise.perturbed(m, sigma[name], seed, name, scale) if seed is not None else m
             served[name] = theta.to(dtype)
             if seed is not None:
                 a, b = param_noise.served_noise_ratio(m, theta, dtype)

@@ -99,6 +99,23 @@ def test_plan_validates_when_built_by_hand():
     assert isinstance(good, ExplorationPlan)
 
 
+def test_a_scaled_plan_keeps_seeds_grouping_and_gradient_point_and_scales_every_slot():
+    plan = make_plan("c3po", version=3, base_seed=1, group_size=8, n_slots=4)
+    assert {s.scale for s in plan.slots} == {1.0}  # the posterior server's plans are unscaled
+    hot = plan.scaled(2.0)
+    assert [s.seed for s in hot.slots] == [s.seed for s in plan.slots] and {s.scale for s in hot.slots} == {2.0}
+    assert (hot.group_size, hot.rollouts_per_slot, hot.gradient_seed) == (8, 2, plan.gradient_seed)
+    assert hot.scaled(1.0) == plan
+    grpo = make_plan("grpo", version=0, base_seed=1, group_size=8, n_slots=1)
+    assert grpo.scaled(1.0) == grpo
+    with pytest.raises(ValueError, match="no noise to scale"):
+        grpo.scaled(2.0)
+    with pytest.raises(ValueError, match="scales must be > 0"):
+        plan.scaled(0.0)
+    with pytest.raises(ValueError, match="1 for the mean"):
+        dataclasses.replace(grpo, slots=(Slot(0, None, 2.0),))
+
+
 def test_update_seeds_are_fresh_per_step_update_and_sample_and_never_a_slot_seed():
     seeds = {update_seed(3, step, update, sample) for step in range(4) for update in range(3) for sample in range(4)}
     assert len(seeds) == 4 * 3 * 4 and all(0 <= s < 2**63 for s in seeds)

@@ -292,6 +292,21 @@ def test_sampled_params_writes_engine_noise_and_restores_bit_exact_on_raise(dtyp
         opt.step()
 
 
+def test_a_scaled_slot_is_m_plus_c_sigma_z_for_evaluation_only():
+    w = torch.nn.Parameter(torch.randn(4, 3, generator=torch.Generator().manual_seed(1)))
+    opt = IVON([("w", w)], lr=1.0, ess=1e4, hess_init=0.1)
+    m, sigma, z = opt.mean_by_name()["w"], opt.sigma_by_name()["w"], noise_like(9, "w", (4, 3))
+    with opt.sampled_params(seed=9, train=False, scale=2.5):
+        torch.testing.assert_close(w.detach(), m + 2.5 * sigma * z, rtol=0, atol=1e-7)
+        assert torch.equal(w.detach(), perturbed(m, sigma, 9, "w", 2.5))  # bit-identical to the engines' θ̂
+    with opt.sampled_params(seed=9, train=False, scale=1.0):
+        assert torch.equal(w.detach(), perturbed(m, sigma, 9, "w"))
+    with pytest.raises(ValueError, match="training sample needs scale 1"):
+        with opt.sampled_params(seed=9, train=True, scale=2.0):
+            pass
+    assert torch.equal(w.detach(), m)
+
+
 def test_eval_sample_does_not_accumulate():
     w = torch.nn.Parameter(torch.ones(3))
     opt = IVON([("w", w)], **HP)

@@ -43,9 +43,9 @@ class Learner:
         return mean, sigma, weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
 
     @torch.no_grad()
-    def logprobs(self, prompt_ids, token_ids, seed, **filters) -> np.ndarray:
+    def logprobs(self, prompt_ids, token_ids, seed, scale=1.0, **filters) -> np.ndarray:
         ids = torch.tensor([list(prompt_ids) + list(token_ids)])
-        with self.opt.sampled_params(seed, train=False):
+        with self.opt.sampled_params(seed, train=False, scale=scale):
             logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1]
         logp = sampling_logprobs(logits, temperature=filters.get("temperature", 1.0),
                                  top_k=filters.get("top_k", 0), top_p=filters.get("top_p", 1.0))
@@ -73,12 +73,12 @@ def _params(**filters):
     return SamplingParams(max_new_tokens=12, **{"temperature": 1.0, **filters})
 
 
-def _assert_matches_learner(learner, requests, outputs, seed, filters):
+def _assert_matches_learner(learner, requests, outputs, seed, filters, scale=1.0):
     checked = 0
     for r, samples in zip(requests, outputs):
         assert len(samples) == r.n
         for s in samples:
-            expected = learner.logprobs(r.prompt_ids, s.token_ids, seed, **filters)
+            expected = learner.logprobs(r.prompt_ids, s.token_ids, seed, scale, **filters)
             np.testing.assert_allclose(s.logprobs, expected, atol=1e-4)
             checked += len(s.token_ids)
     assert checked > 0
@@ -102,6 +102,22 @@ def test_a_slot_samples_from_theta_as_the_learner_builds_it(served, learner, fil
     _assert_matches_learner(learner, requests, outputs, 2026, filters)
     with pytest.raises(AssertionError):  # and not from the mean: the noise really is served
         _assert_matches_learner(learner, requests, outputs, None, filters)
+
+
+@pytest.mark.parametrize("filters", FILTERS.values(), ids=FILTERS.keys())
+def test_a_scaled_slot_samples_from_m_plus_c_sigma_z_as_the_learner_rebuilds_it(served, learner, filters):
+    # dead-group-aware exploration: the same seed with σ × 2.5; behaviour log-probs are the scaled policy's
+    _, eng = served
+    report = eng.serve(NoiseSpec(1, 2026, scale=2.5))
+    assert report.loaded_ok and (report.version, report.seed, report.scale) == (1, 2026, 2.5)
+    requests = _requests(eng)
+    outputs = eng.generate(requests, _params(**filters))
+    _assert_matches_learner(learner, requests, outputs, 2026, filters, scale=2.5)
+    with pytest.raises(AssertionError):  # not the unscaled slot: the multiplier really is served
+        _assert_matches_learner(learner, requests, outputs, 2026, filters)
+    eng.serve(NoiseSpec(1, 2026))  # and back to c = 1 for the same seed: no state of the scaled slot left
+    again = eng.generate(requests, _params(**filters))
+    _assert_matches_learner(learner, requests, again, 2026, filters)
 
 
 def test_the_same_version_slot_and_request_seed_reproduce_the_completion(served):

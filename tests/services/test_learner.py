@@ -51,8 +51,9 @@ def _step(learner, groups):
     return learner.step(*batches_from_groups(groups))
 
 
-def _groups(sampler, learner, exploration, n_slots, group_size, rewards_seed=0):
-    """Completions sampled at the learner's published version, slot by slot, with synthetic rewards."""
+def _groups(sampler, learner, exploration, n_slots, group_size, rewards_seed=0, scale=1.0, reported_scale=None):
+    """Completions sampled at the learner's published version, slot by slot (σ multiplied by `scale`,
+    and tagged with `reported_scale`, default the same), with synthetic rewards."""
     model, tokenizer = sampler
     pv = learner.published()
     mean = {n: torch.from_numpy(a) for n, a in pv.mean.items()}
@@ -63,7 +64,7 @@ def _groups(sampler, learner, exploration, n_slots, group_size, rewards_seed=0):
     for item in generate_items("arith", "train", 3, seed=1):
         by_group: dict[int, list] = {}
         for slot in plan.slots:
-            theta = perturbed_state(mean, sigma, slot.seed)
+            theta = perturbed_state(mean, sigma, slot.seed, scale)
             with torch.no_grad():
                 for name, p in trainable_named_parameters(model):
                     p.copy_(theta[name])
@@ -73,7 +74,8 @@ def _groups(sampler, learner, exploration, n_slots, group_size, rewards_seed=0):
                                slot=slot.index, prompt_uid=item.uid, engine_id=0, seq_no=0,
                                policy_version=0, slot_seed=slot.seed, mean_checksum=pv.mean_checksum,
                                weights_verified=True, prompt_ids=prompt_ids, token_ids=tokens,
-                               logprobs=logprobs, finish_reason=finish, text=text)
+                               logprobs=logprobs, finish_reason=finish, text=text,
+                               slot_scale=scale if reported_scale is None else reported_scale)
                 reward = float(torch.rand((), generator=gen) < 0.5)
                 status = VerifyStatus.OK if reward else VerifyStatus.WRONG
                 by_group.setdefault(plan.group_of(slot.index), []).append(ScoredCompletion(c, VerifyResult(status, reward)))
@@ -90,10 +92,10 @@ def _train_seeds(learner) -> list:
     """Records the seed of every IVON training sample the learner takes (sampled_params, train=True)."""
     seen, original = [], learner.opt.sampled_params
 
-    def spy(seed, train=True):
+    def spy(seed, train=True, scale=1.0):
         if train:
             seen.append(seed)
-        return original(seed, train)
+        return original(seed, train, scale)
     learner.opt.sampled_params = spy
     return seen
 
@@ -296,6 +298,18 @@ def test_sync_budget_measures_drift_not_the_noise_between_slots(sampler, tiny_de
     assert not first.publish
     second = _step(learner, groups)  # the mean moved: now there is drift
     assert second.metrics["kl_k3_drift"] > m["kl_k3_drift"]
+
+
+def test_the_drift_of_a_scaled_slot_is_measured_against_the_slot_with_its_own_scale(sampler, tiny_dense_path):
+    # dead-group-aware exploration serves θ̂ = m + 2 σ ⊙ z: rebuilt with c = 2 there is no drift yet;
+    # rebuilt with c = 1 (a learner ignoring the scale) the noise difference would fire the sync budget
+    def first_step(reported):
+        learner = _learner(tiny_dense_path, optim=OptimConfig(ess=1e3), sync=SyncConfig(kappa=1e-3, max_staleness=4))
+        return _step(learner, _groups(sampler, learner, "c3po", 4, 8, scale=2.0, reported_scale=reported))
+    exact = first_step(None)
+    assert exact.metrics["kl_k3_drift"] < 1e-5 and exact.metrics["ess_frac_drift"] > 0.999 and not exact.publish
+    wrong = first_step(1.0)
+    assert wrong.metrics["kl_k3_drift"] > 1e-3 and wrong.publish
 
 
 @pytest.mark.parametrize("is_correction", ["none", "token_tis", "seq_tis", "seq_mis"])

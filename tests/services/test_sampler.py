@@ -4,6 +4,7 @@ stats and metrics."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 import logging
@@ -111,6 +112,19 @@ def test_completions_carry_ids_seq_numbers_and_the_published_mean_checksum(setup
     assert stats["completions"] == 10 and stats["requests"] == 5 and stats["next_seq_no"] == 10
     assert stats["tokens_generated"] == sum(len(c.token_ids) for c in completions + again)
     assert stats["generate_s"] > 0 and stats["tokens_per_s"] > 0
+
+
+def test_a_scaled_slot_is_its_own_serve_and_its_completions_carry_the_scale(setup):
+    sampler, engine, server = setup
+    plan = server.plan(1)
+    base = _requests(plan, [0], prompts=("a", "b"))
+    hot = [dataclasses.replace(r, slot_scale=2.0) for r in base]  # same ids: the same sampling streams
+    completions = _gen(sampler, [base[0], hot[0], base[1], hot[1]])
+    assert [(n.seed, n.scale) for n in engine.serves] == [(plan.slots[0].seed, 1.0), (plan.slots[0].seed, 2.0)]
+    assert [g[0] for g in engine.generates] == [["a", "b"], ["a", "b"]]
+    assert [c.slot_scale for c in completions] == [1.0, 1.0, 2.0, 2.0, 1.0, 1.0, 2.0, 2.0]
+    assert completions[0].logprobs != completions[2].logprobs  # same seed, prompt and stream: other policies
+    assert all(c.weights_verified for c in completions)
 
 
 def test_one_serve_and_one_generate_per_slot_group(setup):
