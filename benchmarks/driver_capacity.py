@@ -21,8 +21,9 @@ driver, which makes the figure a lower bound of the driver's capacity.
 
 Figures over steps `--warmup`+1 .. T-1: completions/s = consumed rollouts / wall time, requests/s
 and sampler calls/s (the driver's work is per call and per request more than per completion), and
-driver CPU seconds per completion and per wall second (cores). `--profile` runs the loop once more
-under cProfile and prints where the driver's main thread spends its time.
+driver CPU seconds per completion and per wall second (cores). `--profile` samples the driver
+process with py-spy during the run (non-blocking: the figures stay nearly undisturbed; without
+py-spy, cProfile, which slows the driver) and prints where its CPU goes (`Profiler`).
 
     python3 benchmarks/driver_capacity.py [--samplers 64] [--steps 20] [--profile] [section.field=value ...]
     python3 benchmarks/driver_capacity.py --quick
@@ -54,6 +55,7 @@ class FakeSampler:
     def __init__(self, engine_id: int, tokens: int) -> None:
         import uuid
 
+        import threepo.services.batching  # noqa: F401  (imported here, not in the first timed call)
         from threepo.services.engines.base import GeneratedSample
 
         self.engine_id, self.incarnation = engine_id, uuid.uuid4().hex[:8]
@@ -83,6 +85,9 @@ class FakeSampler:
 
 
 class FakeVerifier:
+    def __init__(self) -> None:
+        import threepo.services.messages  # noqa: F401
+
     def score(self, batch):
         import numpy as np
 
@@ -150,11 +155,9 @@ def start_fakes(cfg, tokens: int, publish_every: int):
 
 
 def one_run(cfg, args, profile: bool = False) -> dict:
-    """The real driver loop over fresh fake roles; the figures of its metrics rows."""
-    import cProfile
-    import io
+    """The real driver loop over fresh fake roles; the figures of its metrics rows (and with
+    `profile` where the driver's CPU went, see `Profiler`)."""
     import json
-    import pstats
 
     from threepo.deploy.actors import stop_roles
     from threepo.deploy.cli import make_run_dir
@@ -165,13 +168,13 @@ def one_run(cfg, args, profile: bool = False) -> dict:
     roles = start_fakes(cfg, args.tokens, args.publish_every)
     with tempfile.TemporaryDirectory(prefix="threepo-driver-") as runs:
         run_dir = make_run_dir(dataclasses.replace(cfg, runs_dir=runs), "train")
-        profiler = cProfile.Profile() if profile else None
+        profiler = Profiler() if profile else None
         try:
             if profiler:
-                profiler.enable()
+                profiler.start()
             summary = run(cfg, run_dir, roles)
             if profiler:
-                profiler.disable()
+                profiler.stop()
             stats = ray.get([s.stats.remote() for s in roles.samplers])
         finally:
             stop_roles(roles)
@@ -182,12 +185,87 @@ def one_run(cfg, args, profile: bool = False) -> dict:
     out["rows_per_call"] = sum(s["rows"] for s in stats) / max(out["calls"], 1)
     out["summary"] = {k: v for k, v in summary.items() if k != "report"}
     if profiler:
-        text = io.StringIO()
-        stats = pstats.Stats(profiler, stream=text).strip_dirs()
-        stats.sort_stats("tottime").print_stats(25)
-        stats.sort_stats("cumulative").print_stats(30)
-        out["profile"] = text.getvalue()
+        out["profile"] = profiler.report()
     return out
+
+
+class Profiler:
+    """Where the driver process's CPU goes during `run()`: py-spy sampling this process (every
+    Python thread, on-CPU samples only, with line numbers) when py-spy is installed (it comes with
+    ray[default]), else cProfile of the main thread (function level). The report ranks the
+    innermost threepo frame (deploy/, services/, algorithms/) of each sample and the leaf frames."""
+
+    def __init__(self, rate: int = 250) -> None:
+        import shutil
+
+        self.spy, self.rate = shutil.which("py-spy"), rate
+        self.out = os.path.join(tempfile.mkdtemp(prefix="threepo-spy-"), "raw.txt")
+
+    def start(self) -> None:
+        import subprocess
+
+        if self.spy:
+            self.proc = subprocess.Popen([self.spy, "record", "--pid", str(os.getpid()), "--rate", str(self.rate),
+                                          "--format", "raw", "--output", self.out, "--nonblocking"],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(1.0)  # py-spy attaches
+        else:
+            import cProfile
+
+            self.prof = cProfile.Profile()
+            self.prof.enable()
+
+    def stop(self) -> None:
+        import signal
+
+        if self.spy:
+            self.proc.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+            self.proc.wait(timeout=60)
+        else:
+            self.prof.disable()
+
+    def report(self, top: int = 25) -> str:
+        if not self.spy:
+            import io
+            import pstats
+
+            text = io.StringIO()
+            pstats.Stats(self.prof, stream=text).strip_dirs().sort_stats("tottime").print_stats(top)
+            return text.getvalue()
+        from collections import Counter
+
+        phases, ours, leaves = Counter(), Counter(), Counter()
+        with open(self.out) as f:
+            for line in f:
+                stack, _, count = line.rstrip().rpartition(" ")
+                frames, n = stack.split(";"), int(count)
+                phase = next((name for key, name in PHASES if any(fr.startswith(key + " ") for fr in frames)), "loop")
+                phases[phase] += n
+                if phase != "loop":
+                    continue
+                leaves[_short(frames[-1])] += n
+                mine = [fr for fr in frames if any(f"{d}/" in fr for d in ("deploy", "services", "algorithms"))]
+                ours[_short(mine[-1]) if mine else "(no threepo frame: Ray's own Python threads)"] += n
+        total, loop = sum(phases.values()), max(phases["loop"], 1)
+        lines = [f"driver on-CPU Python samples in run(): {total} at {self.rate} Hz = {total / self.rate:.2f} CPU s "
+                 f"(Ray's C++ threads are not sampled); by phase: "
+                 + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in phases.most_common()),
+                 "loop samples by innermost threepo frame:"]
+        lines += [f"  {100 * n / loop:5.1f}%  {frame}" for frame, n in ours.most_common(top)]
+        lines += ["loop samples by leaf frame:"] + [f"  {100 * n / loop:5.1f}%  {frame}" for frame, n in leaves.most_common(top)]
+        return "\n".join(lines)
+
+
+# (function, phase) for the samples outside the loop proper
+PHASES = (("train_items", "start: prompts"), ("finish_checkpoint", "end: final checkpoint"),
+          ("write_summary", "end: summary and report"))
+
+
+def _short(frame: str) -> str:
+    """`func (path/to/file.py:12)` -> `func (file.py:12)` with the package folder kept."""
+    name, _, where = frame.partition(" (")
+    parts = where.rstrip(")").split("/")
+    return f"{name} ({'/'.join(parts[-2:])})"
 
 
 def figures(rows: list[dict], warmup: int) -> dict:
@@ -212,7 +290,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16, help="tokens of each canned completion")
     p.add_argument("--publish-every", type=int, default=1, help="learner steps between published versions (0: never)")
     p.add_argument("--warmup", type=int, default=2, help="steps left out at the start")
-    p.add_argument("--profile", action="store_true", help="one more run under cProfile; print the driver's hot spots")
+    p.add_argument("--profile", action="store_true", help="sample the driver with py-spy; print its hot spots")
     args = p.parse_args()
     if args.quick:
         args.steps, args.prompts_per_step, args.samplers = 10, 64, min(args.samplers, 16)
@@ -224,7 +302,7 @@ def main() -> None:
         *LAYOUT, f"runtime.num_samplers={args.samplers}", f"runtime.prompts_per_step={args.prompts_per_step}",
         f"runtime.steps={args.steps}", *args.overrides])
     init_ray(cfg)
-    result = one_run(cfg, args)
+    result = one_run(cfg, args, profile=args.profile)
     rt, algo = cfg.runtime, cfg.algo
     per_step = rt.prompts_per_step * algo.group_size
     requests_per_step = rt.prompts_per_step * algo.n_slots
@@ -247,9 +325,7 @@ def main() -> None:
                                          "requests_per_call": rt.requests_per_call},
            "args": vars(args)}
     if args.profile:
-        profiled = one_run(cfg, args, profile=True)
-        print(profiled["profile"])
-        out["profile"] = profiled["profile"]
+        print(result["profile"])
     _common.write_results("driver_capacity", out)
     ray.shutdown()
 
