@@ -138,7 +138,22 @@ def loop_figures(rows: list[dict]) -> dict:
         "learner_step_s": statistics.mean(r["step_time_s"] for r in timed),
         "tokens_per_step": statistics.mean(r["completion_tokens"] for r in timed),
         "timed_tokens": sum(r["completion_tokens"] for r in timed),
+        "engine_busy": engine_busy(timed),
     }
+
+
+def engine_busy(rows: list[dict]) -> dict:
+    """Each engine's busy fraction over `rows` (metrics.jsonl `engine_busy/engine<i>`: its
+    generating seconds ÷ the step's window), weighted by the windows (`time_window_s`); 'mean' is
+    the mean over engines. Engines absent from a row were idle in that window."""
+    engines = sorted({k for r in rows for k in r if k.startswith("engine_busy/engine")})
+    window = sum(r.get("time_window_s", 0.0) for r in rows)
+    if not engines or not window:
+        return {}
+    out = {k.removeprefix("engine_busy/"): sum(r.get(k, 0.0) * r["time_window_s"] for r in rows) / window
+           for k in engines}
+    out["mean"] = sum(out.values()) / len(engines)
+    return out
 
 
 def posterior_arrays(model: str, cfg) -> tuple[dict, dict | None]:

@@ -9,6 +9,10 @@ sampler engines' standalone tokens/s (issue 4 target: at least 0.9).
    tokens/s = completion tokens of steps 2..T-1 / wall time from the end of step 1 to the end of
    step T-1 (step 1 is warm-up; _common.loop_figures says why step T is left out).
 
+3. Engine busy fraction: each engine's generating seconds ÷ wall time over the same steps, from the
+   run's metrics.jsonl (`engine_busy/engine<i>`, weighted by each step's window; issue 10 target:
+   at least 0.8 for the engine that does not share its core with the learner — the busiest one).
+
 The ratio is bounded by the learner when one learner step takes longer than generating one step's
 rollouts: admission control (runtime.max_offpolicy) then idles the samplers. Both figures are given.
 On a 2-core machine the learner and the samplers also share the cores, which the standalone
@@ -40,21 +44,24 @@ def requests_by_sampler(cfg, plan, prompts: int, first: int = 0) -> dict[int, li
     return out
 
 
-def generate_all(samplers: list, cfg, by_sampler: dict[int, list]) -> int:
-    """Queue every chunk on its sampler at once; the completion tokens generated."""
+def generate_all(samplers: list, cfg, by_sampler: dict[int, list], weights) -> int:
+    """Queue every chunk on its sampler at once (with the reference to its version's weights, as
+    the driver sends them); the completion tokens generated, from the calls' reports."""
     import ray
 
     per_call = cfg.runtime.requests_per_call
-    futures = [samplers[i].generate.remote(batch[k:k + per_call])
+    reports = [samplers[i].generate.options(num_returns=2).remote(batch[k:k + per_call], [weights])[0]
                for i, batch in by_sampler.items() for k in range(0, len(batch), per_call)]
-    return sum(len(c.token_ids) for _, completions in ray.get(futures) for c in completions)
+    return sum(r.tokens for r in ray.get(reports))
 
 
 def standalone(model: str, cfg, steps: int) -> dict:
     """Tokens/s of the run's sampler actors alone (see the module docstring, 1.)."""
     import ray
+    import torch
 
     from threepo.algorithms.exploration import make_plan
+    from threepo.algorithms.param_noise import weights_checksum
     from threepo.deploy.actors import ACTOR_ENV, SamplerActor, init_ray
 
     init_ray(cfg)
@@ -64,12 +71,12 @@ def standalone(model: str, cfg, steps: int) -> dict:
     try:
         plan = make_plan(algo.exploration, version=1, base_seed=cfg.seed, group_size=algo.group_size,
                          n_slots=algo.n_slots, equal_compute=algo.equal_compute)
-        weights = ray.put(_common.posterior_arrays(model, cfg))
-        ray.get([s.update.remote(1, weights) for s in samplers])
-        generate_all(samplers, cfg, requests_by_sampler(cfg, plan, rt.prompts_per_step))  # warm-up step
+        mean, sigma = _common.posterior_arrays(model, cfg)
+        weights = ray.put((mean, sigma, weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())))
+        generate_all(samplers, cfg, requests_by_sampler(cfg, plan, rt.prompts_per_step), weights)  # warm-up step
         work = requests_by_sampler(cfg, plan, steps * rt.prompts_per_step, first=rt.prompts_per_step)
         start = time.monotonic()
-        tokens = generate_all(samplers, cfg, work)
+        tokens = generate_all(samplers, cfg, work, weights)
         elapsed = time.monotonic() - start
     finally:
         for s in samplers:
@@ -107,12 +114,17 @@ def main() -> None:
     if bound == "learner-bound":
         print(f"  the samplers can be busy at most {generation_s / run['learner_step_s']:.2f} of the time: "
               "admission control (runtime.max_offpolicy) waits for the learner")
+    busy = run["engine_busy"]
+    engines = {k: v for k, v in busy.items() if k != "mean"}
+    if engines:
+        print("engine busy fraction (steps 2..T-1): " + ", ".join(f"{k} {v:.2f}" for k, v in engines.items())
+              + f"; mean {busy['mean']:.2f}, busiest {max(engines.values()):.2f} (target >= 0.8)")
     extra = run["step_wall_s"] - max(generation_s, run["learner_step_s"])
     print(f"  {max(extra, 0.0):.2f}s per step beyond the slower of the two: scoring, driver round trips, version "
           "syncs, and the learner sharing the cores with the samplers (standalone they do not)")
     _common.write_results("pipeline_efficiency", {
         "model": model, "standalone": alone, "train": {k: v for k, v in run.items() if k != "rows"},
-        "rows": run["rows"], "ratio": ratio, "generation_s_per_step": generation_s, "bound": bound,
+        "rows": run["rows"], "ratio": ratio, "engine_busy": busy, "generation_s_per_step": generation_s, "bound": bound,
         "args": vars(args)})
 
 

@@ -5,8 +5,9 @@ An engine receives the fp32 mean m and σ of a version once and regenerates ever
 z(seed) locally, so a version costs 2 x 4 bytes x parameters whatever N. Two measurements per N:
 - server: publish one version (the checkpoint as mean, IVON's initial σ) through a PosteriorServer
   planning C3PO with N slots and read `bytes_of(version)`;
-- run: a short real C3PO run with algo.n_slots=N; `sync_bytes_per_engine` of metrics.jsonl (every
-  published version) — what the driver sent each sampler.
+- run: a short real C3PO run with algo.n_slots=N; each sampler's own count of the bytes it loaded
+  per version (`Sampler.stats()`: sync_bytes / updates, read at the end of the run) — what every
+  engine received.
 For contrast, the table also gives what shipping each slot's perturbed weights would cost (N x m).
 
     python3 benchmarks/sync_bytes.py [--slots 1 2 4 8] [--steps 3] [section.field=value ...]
@@ -28,11 +29,11 @@ def server_bytes(model: str, cfg, n_slots: int) -> int:
     mean, sigma = _common.posterior_arrays(model, cfg)
     checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
     server = PosteriorServer(PosteriorConfig(kind="c3po", group_size=cfg.algo.group_size, n_slots=n_slots))
-    plan = server.publish(PublishedVersion(version=1, learner_step=0, reason="start", mean=mean, sigma=sigma,
-                                           mean_checksum=checksum))
-    if len(plan.slots) != n_slots:
-        raise RuntimeError(f"the plan has {len(plan.slots)} slots, expected {n_slots}")
-    return server.bytes_of(1)
+    published = server.publish(PublishedVersion(learner_step=0, reason="start", mean=mean, sigma=sigma,
+                                                mean_checksum=checksum))
+    if len(published.plan.slots) != n_slots:
+        raise RuntimeError(f"the plan has {len(published.plan.slots)} slots, expected {n_slots}")
+    return server.bytes_of(published.version)
 
 
 def main() -> None:
@@ -56,13 +57,13 @@ def main() -> None:
         sent = []
         if n in run_slots:
             run = _common.train_run(model, [*common, f"algo.n_slots={n}"], f"N={n}")
-            sent = [r["sync_bytes_per_engine"] for r in run["rows"] if "sync_bytes_per_engine" in r]
+            sent = [st["sync_bytes"] // st["updates"] for st in run["sampler_stats"] if st["updates"]]
         run_text = "-" if not sent else (f"{sent[0]:,}" if len(set(sent)) == 1 else f"{min(sent):,}..{max(sent):,}")
         rows.append([n, f"{served:,}", run_text, len(sent), f"{n * mean_bytes:,}"])
         results.append({"n_slots": n, "server_bytes_of": served, "run_sync_bytes_per_engine": sent,
                         "per_slot_weights_bytes": n * mean_bytes})
     _common.table(f"Bytes per version per engine ({sum(a.size for a in mean.values()):,} parameters, fp32)",
-                  ["N", "server bytes_of", "run bytes/engine", "versions", "N x weights (contrast)"], rows)
+                  ["N", "server bytes_of", "run bytes/engine/version", "engines", "N x weights (contrast)"], rows)
     served = {r["server_bytes_of"] for r in results}
     sent = {b for r in results for b in r["run_sync_bytes_per_engine"]}
     print(f"grows with N: {'no' if len(served) == 1 and len(sent) <= 1 else 'YES'} "
