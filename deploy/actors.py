@@ -166,7 +166,7 @@ class LearnerActor:
     def __init__(self, model_path: str, *args, checkpoint: str | None = None, rollout_log: str = "",
                  **kwargs) -> None:
         from threepo.deploy.metrics import RayMetrics
-        from threepo.services.learner import load_learner
+        from threepo.services.learner_checkpoint import load_learner
         from threepo.services.metrics import register_catalogue
 
         self.model_path = model_path
@@ -190,7 +190,8 @@ class LearnerActor:
 
         batches, scores = arrays[:n_batches], arrays[n_batches:]
         result = self.learner.step(groups, batches, scores)
-        record_learner_metrics(self._metrics, result, groups, self.learner.algo.exploration)
+        if self.learner.ranks.first:  # one of R ranks: rank 0 speaks for the group
+            record_learner_metrics(self._metrics, result, groups, self.learner.algo.exploration)
         for record in group_records(groups, batches, scores, result.step) if self.log else ():
             self.log.append(record)
         return result
@@ -201,12 +202,13 @@ class LearnerActor:
     def save_checkpoint(self, directory: str) -> str:
         import json
 
-        from threepo.services.learner import save_learner
+        from threepo.services.learner_checkpoint import save_learner
 
         save_learner(self.learner, directory)
-        size = self.log.size() if self.log else 0
-        with open(os.path.join(directory, "rollouts.json"), "w") as f:
-            json.dump({"bytes": size}, f)
+        if self.learner.ranks.first:
+            size = self.log.size() if self.log else 0
+            with open(os.path.join(directory, "rollouts.json"), "w") as f:
+                json.dump({"bytes": size}, f)
         return "learner"
 
     def save_hf(self, directory: str) -> str:
@@ -224,12 +226,14 @@ class EvaluatorActor:
     """Held-out pass@1 of a published mean, off the learner's critical path: its own hf engine
     serving the mean it is given, one sample per item at the sampling temperature."""
 
-    def __init__(self, model_path: str, cfg: SamplerConfig, items: list) -> None:
+    def __init__(self, model_path: str, cfg: SamplerConfig, items: list, verifier: VerifierConfig,
+                 token: str = "") -> None:
         from threepo.services.engines.hf import HFEngine
-        from threepo.services.evaluation import verifiers_for
+        from threepo.services.verifier_pool import load_verifiers
 
         self.engine = HFEngine(model_path, cfg)
-        self.items, self.verifiers, self.cfg = items, verifiers_for(items), cfg
+        self.items, self.cfg = items, cfg
+        self.verifiers = load_verifiers(verifier, [it.verifier for it in items], token)  # routed as in training
 
     def evaluate(self, pv) -> tuple[float, int]:
         from threepo.services.engines.hf import generate_text
@@ -301,7 +305,8 @@ def start_roles(cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str 
 
         evaluator = ray.remote(EvaluatorActor).options(num_cpus=rt.eval_cpus, runtime_env=env,
                                                        name=f"{run_id}-evaluator").remote(
-            policy_path, dataclasses.replace(sampler_cfg, backend="hf", batch_size=cfg.eval.batch_size), eval_items(cfg))
+            policy_path, dataclasses.replace(sampler_cfg, backend="hf", batch_size=cfg.eval.batch_size), eval_items(cfg),
+            cfg.verifier, auth_token(cfg.verifier.auth_env))
     roles = Roles(None, samplers, verifiers, None, evaluator)
     start_stateful(roles, cfg, policy_path, run_dir, checkpoint)
     return roles
@@ -315,17 +320,34 @@ def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str,
     name = os.path.basename(os.path.abspath(run_dir))
     for actor in (roles.posterior, roles.learner):
         if actor is not None:
-            ray.kill(actor, no_restart=True)
+            kill_role(actor)
     roles.posterior = ray.remote(PosteriorActor).options(num_cpus=0, runtime_env=env,
                                                          name=f"{name}-posterior{suffix}").remote(
         posterior_config(cfg), checkpoint=checkpoint)
     log = os.path.join(run_dir, "rollouts.log") if rt.log_rollouts else ""
-    roles.learner = ray.remote(LearnerActor).options(num_cpus=rt.learner_cpus, runtime_env=env,
-                                                     name=f"{name}-learner{suffix}").remote(
-        policy_path, cfg.algo, cfg.optim, cfg.sync, temperature=cfg.sampler.temperature,
-        max_new_tokens=cfg.sampler.max_new_tokens, threads=max(1, int(rt.learner_cpus)), vp2o=cfg.vp2o,
-        checkpoint=checkpoint, rollout_log=log)
+    args = (policy_path, cfg.algo, cfg.optim, cfg.sync)
+    kwargs = dict(temperature=cfg.sampler.temperature, max_new_tokens=cfg.sampler.max_new_tokens,
+                  threads=max(1, int(rt.learner_cpus)), vp2o=cfg.vp2o, device=cfg.learner.device,
+                  checkpoint=checkpoint, rollout_log=log)
+    if cfg.learner.grouped:  # R ranks behind the same methods (deploy/learner_group.py)
+        from threepo.deploy.learner_group import start_learner_group
+
+        roles.learner = start_learner_group(cfg, f"{name}-learner{suffix}", env, args, kwargs)
+    else:
+        roles.learner = ray.remote(LearnerActor).options(num_cpus=rt.learner_cpus, runtime_env=env,
+                                                         num_gpus=int(cfg.learner.device == "cuda"),
+                                                         name=f"{name}-learner{suffix}").remote(*args, **kwargs)
     roles.starts += 1
+
+
+def kill_role(actor) -> None:
+    """Kill a role's actor, or every rank of a learner group (and its placement group)."""
+    from threepo.deploy.learner_group import LearnerGroup
+
+    if isinstance(actor, LearnerGroup):
+        actor.kill()
+    else:
+        ray.kill(actor, no_restart=True)
 
 
 def check_backend_installed(cfg: RunConfig) -> None:
@@ -346,7 +368,7 @@ def check_backend_installed(cfg: RunConfig) -> None:
 def stop_roles(roles: Roles) -> None:
     for actor in [roles.posterior, roles.learner, roles.evaluator, *roles.samplers, *roles.verifiers]:
         if actor is not None:
-            ray.kill(actor, no_restart=True)
+            kill_role(actor)
 
 
 def posterior_config(cfg: RunConfig) -> PosteriorConfig:
@@ -401,4 +423,5 @@ def _port_free(host: str, port: int) -> bool:
 
 def _cpus_needed(cfg: RunConfig) -> int:
     rt = cfg.runtime
-    return int(rt.num_samplers * rt.sampler_cpus + rt.num_verifiers * rt.verifier_cpus + rt.learner_cpus + 0.999)
+    return int(rt.num_samplers * rt.sampler_cpus + rt.num_verifiers * rt.verifier_cpus
+               + cfg.learner.ranks * rt.learner_cpus + 0.999)

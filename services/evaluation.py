@@ -36,6 +36,9 @@ class EvalConfig:
     """Sampling temperature of the evaluation."""
     batch_size: int = 256
     """Sequences decoded together."""
+    around_training: bool = True
+    """`threepo train` evaluates held-out before and after training, in the driver's process
+    (false: only the periodic evaluations of `runtime.eval_every`)."""
 
     def __post_init__(self) -> None:
         if self.split not in ("train", "heldout"):

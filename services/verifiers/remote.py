@@ -284,14 +284,16 @@ class SandboxClient:
             if closed:
                 self._next += 1
                 return closed[self._next % len(closed)]
-            due = [e for e in self._endpoints if not e.probing and e.open_until <= now]
-            if due:
-                due[0].probing = True
-                return due[0]
+            # every breaker is open: past the bound this is an outage, whether or not a probe is due
+            # (a retry's backoff can outlast the cooldown, so a probe is always due by then)
             silent = now - max(self._last_answer, started)
             if silent >= cfg.outage_s:
                 raise VerifierOutage(f"no sandbox endpoint answered for {silent:.0f}s (outage_s="
                                      f"{cfg.outage_s:g}): {list(cfg.endpoints)}")
+            due = [e for e in self._endpoints if not e.probing and e.open_until <= now]
+            if due:
+                due[0].probing = True
+                return due[0]
             waits = [e.open_until - now for e in self._endpoints if not e.probing]
             await self._sleep(max(0.01, min(waits + [0.1, cfg.outage_s - silent])))
 

@@ -87,3 +87,29 @@ def test_a_code_run_configured_from_the_cli_completes_behind_a_sandbox_answering
     # the completions were programs the sandbox ran (training and the evaluations), through the proxy
     assert service.stats["started"] >= 16 and proxy.counts["forwarded"] == service.stats["started"]
     assert proxy.counts["error"] >= 3
+
+
+def test_a_sandbox_down_for_good_stops_the_run_with_a_summary_and_it_resumes_later(
+        ray_session, tmp_path, code_policy, sandbox, monkeypatch):
+    import socket
+
+    from threepo.deploy.cli import main
+
+    with socket.socket() as s:  # a port nothing listens on: every request is refused
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    try:
+        rc, summary, rows = train_code(tmp_path, code_policy, dead, monkeypatch, "verifier.outage_s=2",
+                                       "runtime.steps=3", "eval.around_training=false")
+    finally:
+        _kill_limiter(tmp_path)
+    assert rc == 1 and "no sandbox endpoint answered" in summary["stopped"]
+    assert summary["infra_errors"] == 0 and summary["steps"] == 0  # nothing unscored reached the learner
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    server, _ = sandbox
+    assert main(["train", "--resume", str(run_dir), f'verifier.endpoints=["{server.url}"]',
+                 "verifier.outage_s=60"]) == 0
+    with open(run_dir / "summary.json") as f:
+        resumed = json.load(f)
+    assert resumed["steps"] == 3 and resumed["consumed_rollouts"] == resumed["admitted_rollouts"] == 3 * 16
+    _kill_limiter(tmp_path)

@@ -249,3 +249,26 @@ def test_the_server_states_its_interpreter():
             await runner.cleanup()
     info, ran = asyncio.run(with_proxies(0, go))
     assert info["interpreter"] == ran and info["interpreter"].startswith("CPython 3.")
+
+
+def test_a_refused_connection_past_the_bound_raises_verifier_outage_even_when_backoff_outlasts_the_cooldown():
+    # nothing listens: every attempt fails at once; retries back off longer than the breaker's
+    # cooldown, so a half-open probe is always due when the next attempt starts
+    import socket
+
+    from threepo.services.verifiers.remote import RemoteSandboxConfig, RemoteSandboxVerifier
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    verifier = RemoteSandboxVerifier(RemoteSandboxConfig(endpoints=(url,), outage_s=2.0, cooldown_s=0.2,
+                                                         backoff_base_s=0.5, backoff_max_s=1.0))
+    item = TaskItem(uid="c", prompt="", answer="3\n", verifier="code_output")
+
+    async def run():
+        started = time.monotonic()
+        with pytest.raises(VerifierOutage):
+            await verifier.verify(VerifyRequest(item, "\\boxed{print(3)}"))
+        await verifier.aclose()
+        return time.monotonic() - started
+    assert asyncio.run(run()) < 10
