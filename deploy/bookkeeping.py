@@ -12,7 +12,22 @@ The rules it enforces:
   most once; consumed prompts are kept as index ranges, so the record stays small;
 - nothing unscorable reaches the learner: a request whose engine failed a weight check (mean
   checksum different from the published one, or its own load/verify check) or any of whose rows
-  came back `infra_error` is generated again, at most `max_reissues` times, then the run stops.
+  came back `infra_error` is generated again, at most `max_reissues` times, then the run stops;
+- uninformative prompts (`Readmission`): the ledger sees every group's verifier results as they
+  arrive, so when all groups of an admission of a prompt (a round) are complete it knows whether
+  every rollout failed (dead), every one passed (solved) or all rewards were equal.
+  Dead-group-aware exploration admits a dead (or, if configured, solved) prompt again as a new
+  round — group ids `p<i>/g<g>/r<round>`, consumed once like any group — served from the plan with
+  every slot's σ multiplied by `dead_scale` (`solved_scale`), within a budget: at most
+  ⌈fraction · B⌉ re-admissions among the prompts of any step, at most `max_rounds` per prompt, and
+  a waiting queue of one step's budget (a dead prompt finding it full is not re-admitted). A
+  re-admission is an admission like any other, so it takes the place of a fresh prompt of a later
+  step under the same staleness rule. "Rescued" counts the re-admissions of dead prompts in
+  which at least one rollout succeeded. The DAPO dynamic filter drops a round whose rewards are
+  all equal before the learner takes it and frees its admission, so another prompt (a waiting
+  re-admission first, else a fresh one) is consumed by the same step in its place; at most
+  ⌈filter_fraction · B⌉ rounds per learner step are dropped, later ones go to the learner, which
+  leaves them out of its update (its own filter). Groups are consumed oldest admission first.
 
 The ledger holds ids, counts and (batch key, row) positions only — never completions: batches stay
 in the object store under keys the driver maps to references, and the ledger says when a batch is
@@ -22,13 +37,15 @@ no longer needed by any group (`take` returns the keys to drop).
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections import Counter, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from threepo.services.batching import INFRA
-from threepo.services.messages import GenerateReport, GroupRows, RolloutRequest, ScoreBatch, TaskItem
+from threepo.services.messages import (STATUSES, GenerateReport, GroupRows, RolloutRequest, ScoreBatch, TaskItem,
+                                       VerifyStatus)
 from threepo.services.posterior import VersionPlan
 
 
@@ -85,6 +102,27 @@ class RangeSet:
         return sum(b - a for a, b in self.ranges)
 
 
+_OK = STATUSES.index(VerifyStatus.OK)
+
+
+@dataclass(frozen=True)
+class Readmission:
+    """What the ledger does with uninformative rounds (module docstring); from the run's AlgoConfig."""
+
+    fraction: float = 0.0       # algo.readmit_fraction: re-admissions among a step's B prompts, ⌈fraction·B⌉ (0 = off)
+    max_rounds: int = 1         # algo.readmit_max: re-admissions of one prompt
+    dead_scale: float = 1.0     # algo.dead_group_scale: σ multiplier of a re-admitted all-fail prompt
+    solved_scale: float = 1.0   # algo.solved_group_scale: of an all-pass one (1 = solved ones are not re-admitted)
+    filter: bool = False        # algo.dynamic_filter: drop equal-reward rounds before the learner takes them
+    filter_fraction: float = 0.0  # algo.filter_replacements: most dropped rounds per learner step, ⌈·B⌉
+
+    @classmethod
+    def of(cls, algo) -> Readmission:
+        return cls(fraction=algo.readmit_fraction, max_rounds=algo.readmit_max, dead_scale=algo.dead_group_scale,
+                   solved_scale=algo.solved_group_scale, filter=algo.dynamic_filter,
+                   filter_fraction=algo.filter_replacements if algo.dynamic_filter else 0.0)
+
+
 @dataclass
 class _Group:
     """An admitted group that is not consumed yet."""
@@ -96,6 +134,25 @@ class _Group:
     published_step: int
     expected: tuple[str, ...]   # its requests, in slot order
     arrived: dict = field(default_factory=dict)  # request id -> (batch key, first row, rows)
+    round: int = 0              # 0: fresh; r ≥ 1: the r-th re-admission of the prompt
+    scale: float = 1.0          # σ multiplier of its slots
+    order: int = 0              # admission sequence number (groups are consumed oldest first)
+    after_dead: bool = False    # its round re-admits a prompt whose previous round was all-fail
+    outcome: tuple = ()         # (dead, solved) of its round, once every group of the round is complete
+
+
+@dataclass
+class _Round:
+    """One admission of a prompt (its groups) and what its rollouts scored so far."""
+
+    groups: list[str]
+    left: int                   # groups not complete yet
+    after_dead: bool            # re-admitted because its previous round was all-fail
+    scale: float
+    ok: int = 0
+    rows: int = 0
+    lo: float = math.inf
+    hi: float = -math.inf
 
 
 @dataclass
@@ -111,6 +168,14 @@ class Counts:
     sampler_failures: int = 0
     verifier_failures: int = 0
     seq_gaps: int = 0
+    dead_prompts: int = 0         # rounds whose rollouts all failed (no `ok`)
+    solved_prompts: int = 0       # rounds whose rollouts all passed
+    readmitted_prompts: int = 0   # re-admissions (dead-group-aware exploration)
+    readmit_dropped: int = 0      # dead/solved rounds not re-admitted: the queue was full
+    retried_dead: int = 0         # completed re-admissions of a prompt whose previous round was dead
+    rescued_dead: int = 0         # ... with at least one successful rollout
+    dropped_groups: int = 0       # groups the dynamic filter dropped before the learner (replaced)
+    dropped_rollouts: int = 0
 
 
 class PersistentFailure(RuntimeError):
@@ -121,13 +186,23 @@ class Ledger:
     """Admission, routing, assembly and delivery accounting of one run; see the module docstring."""
 
     def __init__(self, stream: PromptStream, *, prompts_per_step: int, max_offpolicy: int, total_steps: int,
-                 mode: str, max_reissues: int, requests_per_call: int) -> None:
+                 mode: str, max_reissues: int, requests_per_call: int, readmission: Readmission = Readmission()) -> None:
         self.stream, self.b, self.max_offpolicy = stream, prompts_per_step, max_offpolicy
         self.total_steps, self.mode, self.max_reissues, self.per_call = total_steps, mode, max_reissues, requests_per_call
+        self.rule = readmission
+        self.readmit_cap = math.ceil(readmission.fraction * prompts_per_step)
+        self.filter_cap = math.ceil(readmission.filter_fraction * prompts_per_step)
         self.step = 0                 # learner steps consumed
         self.next_index = 0           # next fresh prompt of the stream
         self.admitted_prompts = 0     # admission counter of the staleness rule
-        self.readmit: deque = deque()  # (prompt index, group indices) to admit again (resume)
+        self.admission_no = 0         # admission sequence number (never goes back)
+        self.readmit: deque = deque()  # (prompt index, group indices, round, scale, after dead) to admit again (resume)
+        self.explore: deque = deque()  # (prompt index, round, scale, after dead): re-admissions waiting
+        self._readmits: Counter = Counter()  # step (admission) -> re-admissions among its prompts
+        self._rounds: dict[tuple[int, int], _Round] = {}  # (prompt index, round) -> open round
+        self._filtered: list[_Group] = []    # dropped by the dynamic filter, released at the next take
+        self._dropped_this_step = 0
+        self.consumed_rounds: set = set()  # (prompt index, round ≥ 1) all of whose groups were consumed
         self.version: int | None = None
         self.versions: dict[int, VersionPlan] = {}
         self.groups: dict[str, _Group] = {}
@@ -166,31 +241,47 @@ class Ledger:
         return requests
 
     def _admit_one(self) -> list[RolloutRequest]:
-        if self.readmit:
-            index, only = self.readmit.popleft()
-        else:
-            index, only = self.next_index, None
-            self.next_index += 1
+        index, only, rnd, scale, after_dead = self._next_admission()
         self.admitted_prompts += 1
-        item, plan, info = self.stream[index], self.plan, self.versions[self.version]
+        self.admission_no += 1
+        item, info = self.stream[index], self.versions[self.version]
+        plan = self.plan.scaled(scale) if scale != 1.0 else self.plan
         by_group: dict[int, list[RolloutRequest]] = {}
         for slot in plan.slots:
             g = plan.group_of(slot.index)
             if only is not None and g not in only:
                 continue  # consumed before the checkpoint this run resumed from
-            rid = f"p{index}/g{g}/s{slot.index}"
-            by_group.setdefault(g, []).append(RolloutRequest(request_id=rid, group_id=f"p{index}/g{g}", item=item,
-                                                             policy_version=self.version, slot=slot.index,
-                                                             slot_seed=slot.seed, n=plan.rollouts_per_slot))
+            gid = f"p{index}/g{g}" + (f"/r{rnd}" if rnd else "")
+            by_group.setdefault(g, []).append(RolloutRequest(
+                request_id=f"{gid}/s{slot.index}", group_id=gid, item=item, policy_version=self.version,
+                slot=slot.index, slot_seed=slot.seed, n=plan.rollouts_per_slot, slot_scale=slot.scale))
         out = []
         for g, reqs in by_group.items():
-            self.groups[f"p{index}/g{g}"] = _Group(index, g, item, self.version, info.learner_step,
-                                                   tuple(r.request_id for r in reqs))
+            self.groups[reqs[0].group_id] = _Group(index, g, item, self.version, info.learner_step,
+                                                   tuple(r.request_id for r in reqs), round=rnd, scale=scale,
+                                                   order=self.admission_no, after_dead=after_dead)
             out += reqs
+        self._rounds[(index, rnd)] = _Round([reqs[0].group_id for reqs in by_group.values()], len(by_group),
+                                            after_dead, scale)
         for r in out:
             self.requests[r.request_id] = r
         self.counts.admitted_rollouts += sum(r.n for r in out)
         return out
+
+    def _next_admission(self) -> tuple[int, set | None, int, float, bool]:
+        """(prompt index, its group indices or None for all, round, σ multiplier, after a dead round) of
+        the next admission: what a checkpoint left in flight, then a waiting re-admission while the
+        step it joins has budget left, else the next fresh prompt."""
+        if self.readmit:
+            return self.readmit.popleft()
+        step = self.admitted_prompts // self.b
+        if self.explore and self._readmits[step] < self.readmit_cap:
+            self._readmits[step] += 1
+            self.counts.readmitted_prompts += 1
+            index, rnd, scale, after_dead = self.explore.popleft()
+            return index, None, rnd, scale, after_dead
+        self.next_index += 1
+        return self.next_index - 1, None, 0, 1.0, False
 
     # --- routing ------------------------------------------------------------------------------------
     def route(self, requests: Sequence[RolloutRequest], samplers: Sequence[Hashable]) -> list[tuple[Hashable, list]]:
@@ -229,16 +320,59 @@ class Ledger:
                 self.counts.infra_errors += int((scores.statuses[rows] == INFRA).sum())
                 retry.append(self.requests[rid])
             else:
-                self._join(group, rid, key, rows.start, n)
+                self._join(group, rid, key, rows, scores)
         return self._reissue(retry)
 
-    def _join(self, group: _Group, rid: str, key: Hashable, first: int, n: int) -> None:
-        group.arrived[rid] = (key, first, n)
+    def _join(self, group: _Group, rid: str, key: Hashable, rows: slice, scores: ScoreBatch) -> None:
+        group.arrived[rid] = (key, rows.start, rows.stop - rows.start)
         self._batch_refs[key] += 1
         self.requests.pop(rid)
         self.reissues.pop(rid, None)
+        rnd, rewards = self._rounds[(group.prompt_index, group.round)], scores.rewards[rows]
+        rnd.ok += int((scores.statuses[rows] == _OK).sum())
+        rnd.rows += len(rewards)
+        rnd.lo, rnd.hi = min(rnd.lo, float(rewards.min())), max(rnd.hi, float(rewards.max()))
         if len(group.arrived) == len(group.expected):
-            heapq.heappush(self._ready, (group.prompt_index, group.index, rid.rsplit("/", 1)[0]))
+            rnd.left -= 1
+            if not rnd.left:
+                self._close_round(group.prompt_index, group.round)
+
+    def _close_round(self, index: int, number: int) -> None:
+        """Every group of a round is complete: note its outcome, then drop it (dynamic filter, within
+        budget: its admission goes to another prompt) or make its groups ready."""
+        rnd = self._rounds.pop((index, number))
+        groups = [self.groups[gid] for gid in rnd.groups]
+        for g in groups:
+            g.outcome = (rnd.ok == 0, rnd.ok == rnd.rows)
+        if self.rule.filter and rnd.lo == rnd.hi and self._dropped_this_step < self.filter_cap:
+            self._dropped_this_step += 1
+            self.admitted_prompts -= 1  # its place in the step goes to the next admission
+            for gid, g in zip(rnd.groups, groups):
+                self._consume(g)
+                self._filtered.append(gid)
+                self.counts.dropped_groups += 1
+                self.counts.dropped_rollouts += sum(n for _, _, n in g.arrived.values())
+            return
+        for gid, g in zip(rnd.groups, groups):
+            heapq.heappush(self._ready, (g.order, g.index, gid))
+
+    def _round_consumed(self, group: _Group) -> None:
+        """The last group of a round was consumed (or dropped): count its outcome and queue the
+        prompt's re-admission (dead-group-aware exploration). Done at consumption, not on arrival,
+        so a checkpoint's counts and queue hold exactly the consumed rounds."""
+        (dead, solved), c, rule = group.outcome, self.counts, self.rule
+        c.dead_prompts += dead
+        c.solved_prompts += solved
+        if group.after_dead:
+            c.retried_dead += 1
+            c.rescued_dead += not dead
+        scale = rule.dead_scale if dead else (rule.solved_scale if solved and rule.solved_scale != 1.0 else None)
+        if scale is None or not self.readmit_cap or group.round >= rule.max_rounds:
+            return
+        if len(self.explore) < self.readmit_cap:
+            self.explore.append((group.prompt_index, group.round + 1, scale, dead))
+        else:
+            c.readmit_dropped += 1
 
     def lost(self, requests: Sequence[RolloutRequest], *, sampler: bool) -> list[RolloutRequest]:
         """A call failed (its sampler or verifier died): generate its requests again."""
@@ -274,7 +408,8 @@ class Ledger:
 
     def take(self) -> tuple[list[GroupRows], list[Hashable], list[Hashable], Counter]:
         """The next step's groups, oldest admitted first: (group rows, the batch keys they index,
-        batch keys no open group needs any more, groups consumed per version)."""
+        batch keys no open group needs any more, groups consumed per version). Groups the dynamic
+        filter dropped since the last take are released here too (their keys and versions)."""
         chosen = [heapq.heappop(self._ready)[2] for _ in range(self.groups_per_step())]
         keys: list = []
         rows, versions = [], Counter()
@@ -291,20 +426,40 @@ class Ledger:
             versions[group.version] += 1
             self._consume(group)
             self.counts.consumed_rollouts += sum(n for _, _, n in parts)
-        drop = [k for k in keys if self._batch_refs[k] <= 0]
+        released = []
+        for gid in self._filtered:  # consumed when dropped; their batches and versions go now
+            group = self.groups.pop(gid)
+            for key, _, _ in group.arrived.values():
+                self._batch_refs[key] -= 1
+                released.append(key)
+            versions[group.version] += 1
+        self._filtered, self._dropped_this_step = [], 0
+        drop = [k for k in dict.fromkeys(keys + released) if self._batch_refs[k] <= 0]
         for k in drop:
             del self._batch_refs[k]
         self.step += 1
+        self._readmits = Counter({s: n for s, n in self._readmits.items() if s >= self.step})
         return rows, keys, drop, versions
 
     def _consume(self, group: _Group) -> None:
-        done = self._partial.setdefault(group.prompt_index, set())
-        if group.index in done or group.prompt_index in self.consumed:
-            raise RuntimeError(f"group p{group.prompt_index}/g{group.index} consumed twice: exactly-once violated")
+        key = group.prompt_index if not group.round else (group.prompt_index, group.round)
+        done = self._partial.setdefault(key, set())
+        if group.index in done or (key in self.consumed_rounds if group.round else key in self.consumed):
+            raise RuntimeError(f"group p{group.prompt_index}/g{group.index} (round {group.round}) consumed twice: "
+                               "exactly-once violated")
         done.add(group.index)
         if len(done) == self.versions[group.version].plan.groups_per_prompt:
-            del self._partial[group.prompt_index]
-            self.consumed.add(group.prompt_index)
+            del self._partial[key]
+            (self.consumed_rounds.add if group.round else self.consumed.add)(key)
+            self._round_consumed(group)
+
+    def exploration_figures(self) -> dict:
+        """Cumulative counts of dead-group-aware exploration and the dynamic filter, for the step log."""
+        c = self.counts
+        return {"dead_prompts": c.dead_prompts, "solved_prompts": c.solved_prompts,
+                "readmitted_prompts": c.readmitted_prompts, "retried_dead": c.retried_dead,
+                "rescued_dead": c.rescued_dead, "rescue_rate": c.rescued_dead / c.retried_dead if c.retried_dead else 0.0,
+                "dropped_groups": c.dropped_groups}
 
     def drop_unused(self, key: Hashable) -> bool:
         """True when no open group points into batch `key` (its rows were all refused or duplicates)."""
@@ -314,20 +469,38 @@ class Ledger:
     def state(self) -> dict:
         """Plain values to resume from: cursor, consumed prompts, what to admit again, counts (a
         snapshot: nothing in it changes when the ledger goes on)."""
-        open_prompts: dict[int, list[int]] = {}
-        for g in self.groups.values():
-            open_prompts.setdefault(g.prompt_index, []).append(g.index)
-        readmit = sorted([i, sorted(gs)] for i, gs in open_prompts.items()) + [[i, sorted(gs)] for i, gs in self.readmit]
+        open_rounds: dict[tuple, list[int]] = {}
+        dropped = set(self._filtered)
+        for gid, g in self.groups.items():
+            if gid not in dropped:  # a dropped group is consumed
+                open_rounds.setdefault((g.prompt_index, g.round, g.scale, g.after_dead), []).append(g.index)
+        readmit = sorted([i, sorted(gs), r, c, d] for (i, r, c, d), gs in open_rounds.items())
+        readmit += [[i, sorted(gs), r, c, d] for i, gs, r, c, d in self.readmit]
         counts = dict(vars(self.counts))
-        counts["admitted_rollouts"] = self.counts.consumed_rollouts  # admitted-but-unconsumed is regenerated
+        # admitted-but-unconsumed is regenerated
+        counts["admitted_rollouts"] = self.counts.consumed_rollouts + self.counts.dropped_rollouts
         return {"step": self.step, "next_index": self.next_index, "readmit": readmit,
-                "consumed": [list(r) for r in self.consumed.ranges], "partial": {str(k): sorted(v) for k, v in self._partial.items()},
-                "counts": counts}
+                "explore": [list(e) for e in self.explore], "consumed_rounds": sorted(map(list, self.consumed_rounds)),
+                "consumed": [list(r) for r in self.consumed.ranges],
+                "partial": {_round_key(k): sorted(v) for k, v in self._partial.items()}, "counts": counts}
 
     def load(self, state: dict) -> None:
+        """Resume from `state`; a state written before re-admissions existed (no rounds) loads too."""
         self.step, self.next_index = state["step"], state["next_index"]
-        self.readmit = deque((i, set(gs)) for i, gs in state["readmit"])
+        self.readmit = deque((e[0], set(e[1]), *(e[2:] or (0, 1.0, False))) for e in state["readmit"])
+        self.explore = deque(tuple(e) for e in state.get("explore", []))
+        self.consumed_rounds = {tuple(k) for k in state.get("consumed_rounds", [])}
         self.admitted_prompts = self.step * self.b
         self.consumed = RangeSet(state["consumed"])
-        self._partial = {int(k): set(v) for k, v in state["partial"].items()}
+        self._partial = {_parse_round_key(k): set(v) for k, v in state["partial"].items()}
         self.counts = Counts(**state["counts"])
+
+
+def _round_key(key: int | tuple[int, int]) -> str:
+    """A prompt's (round 0) or a re-admission's key as JSON text: "12" or "12/r1"."""
+    return str(key) if isinstance(key, int) else f"{key[0]}/r{key[1]}"
+
+
+def _parse_round_key(text: str) -> int | tuple[int, int]:
+    index, _, rnd = text.partition("/r")
+    return (int(index), int(rnd)) if rnd else int(index)

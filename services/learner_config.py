@@ -60,7 +60,29 @@ class AlgoConfig:
     """kl_cov: coefficient of the |log π_θ/π_prox| penalty."""
     dynamic_filter: bool = False
     """DAPO dynamic filter (§5.3): groups whose rewards are all equal are left out of the update
-    (counted in `filtered_groups`); a step with none left takes no optimizer step."""
+    (counted in `filtered_groups`); a step with none left takes no optimizer step. The driver's
+    ledger also drops such prompts (all of a prompt's groups equal on the verifier's reward, DAPO's
+    accuracy criterion) before the step takes them and admits others in their place, so a step keeps
+    `runtime.prompts_per_step` informative prompts where `filter_replacements` allows."""
+    filter_replacements: float = 1.0
+    """dynamic_filter only: most prompts the ledger drops and replaces per learner step, as a fraction
+    of runtime.prompts_per_step (⌈fraction · B⌉; DAPO's bound is max_num_gen_batches). Past it,
+    equal-reward groups reach the learner, whose filter leaves them out. Each replacement costs one
+    prompt's rollouts more. 0 = no replacements."""
+    readmit_fraction: float = 0.0
+    """Dead-group-aware exploration: most re-admitted prompts among any step's prompts, as a fraction
+    of runtime.prompts_per_step (⌈fraction · B⌉; 0 = off). A prompt whose rollouts all failed is
+    admitted again as a new group (an admission of a later step, in place of a fresh prompt) with
+    every slot's σ × `dead_group_scale`; one whose rollouts all passed, with σ × `solved_group_scale`
+    if that is not 1. The rollouts report behaviour log-probs of the scaled slots, so the off-policy
+    correction is exact, and the learner's drift diagnostic rebuilds each slot with its scale."""
+    readmit_max: int = 1
+    """Most re-admissions of one prompt."""
+    dead_group_scale: float = 1.0
+    """σ multiplier c of a re-admitted all-fail prompt's slots (θ̂ = m + c · σ ⊙ z; 1 = the same σ, a
+    plain retry — the only kind grpo, which serves the mean, has)."""
+    solved_group_scale: float = 1.0
+    """σ multiplier of a re-admitted all-pass prompt's slots; 1 = all-pass prompts are not re-admitted."""
     is_correction: Literal["none", "token_tis", "seq_tis", "seq_mis"] = "seq_tis"
     """Off-policy correction π_prox/μ against each rollout's own behaviour log-probs (§5.6)."""
     is_cap: float = 2.0
@@ -101,6 +123,28 @@ class AlgoConfig:
         if self.lampo_tau <= 0:
             raise ValueError(f"algo.lampo_tau: expected > 0, got {self.lampo_tau}")
         self._check_loss()
+        self._check_readmission()
+
+    def _check_readmission(self) -> None:
+        """Reject re-admission and replacement settings that would silently do nothing."""
+        if not 0.0 <= self.readmit_fraction <= 1.0:
+            raise ValueError(f"algo.readmit_fraction: expected in [0, 1], got {self.readmit_fraction}")
+        if not isinstance(self.readmit_max, int) or self.readmit_max < 1:
+            raise ValueError(f"algo.readmit_max: expected an integer >= 1, got {self.readmit_max!r}")
+        for name in ("dead_group_scale", "solved_group_scale"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"algo.{name}: expected > 0 (a σ multiplier), got {value}")
+            if value != 1.0 and self.exploration == "grpo":
+                raise ValueError(f"algo.{name}={value}: grpo serves the mean (σ = 0), there is no noise to scale")
+        changed = [n for n in ("readmit_max", "dead_group_scale", "solved_group_scale")
+                   if getattr(self, n) != 1]
+        if changed and not self.readmit_fraction:
+            raise ValueError(f"algo.{changed[0]}: prompts are re-admitted only with algo.readmit_fraction > 0")
+        if self.filter_replacements < 0:
+            raise ValueError(f"algo.filter_replacements: expected >= 0, got {self.filter_replacements}")
+        if self.filter_replacements != 1.0 and not self.dynamic_filter:
+            raise ValueError("algo.filter_replacements: only used with algo.dynamic_filter=true")
 
     def _check_loss(self) -> None:
         """Reject loss settings that would silently do nothing (see the fields' docstrings)."""

@@ -237,3 +237,24 @@ def test_vp2o_on_the_tiny_moe(ray_session, tmp_path, tiny_moe_path):
     rows = _exact(run_dir, summary, 3, 2 * 8)
     assert all(0.0 <= r["vp2o_clamped_frac"] <= 1.0 and r["vp2o_bandwidth_mean"] > 0 for r in rows)
     assert all(r["vp2o_l_orth"] >= 0 for r in rows)
+
+
+def test_dead_group_aware_exploration_and_dynamic_filter_keep_records_exact(ray_session, tmp_path, tiny_dense_path):
+    # the random tiny model fails almost every rollout: dead prompts come back with σ × 2, and the
+    # filter drops one equal-reward prompt per step and admits another in its place
+    cfg = _cfg(tmp_path, tiny_dense_path, "runtime.steps=4", "algo.readmit_fraction=0.5", "algo.dead_group_scale=2.0",
+               "algo.dynamic_filter=true", "algo.filter_replacements=0.5")
+    run_dir = make_run_dir(cfg, "train")
+    summary = train(cfg, run_dir, tiny_dense_path)
+    from threepo.services.codec import RolloutLog
+
+    groups = list(RolloutLog.read(os.path.join(run_dir, "rollouts.log")))
+    ids = [s.completion.completion_id for g in groups for s in g.completions]
+    assert len(ids) == len(set(ids)) == summary["consumed_rollouts"] == 4 * 2 * 8
+    assert summary["admitted_rollouts"] == summary["consumed_rollouts"] + summary["dropped_rollouts"]
+    assert summary["readmitted_prompts"] >= 1 and summary["dropped_groups"] >= 1
+    scaled = {s.completion.slot_scale for g in groups if "/r1" in g.group_id for s in g.completions}
+    assert scaled == {2.0} and {s.completion.slot_scale for g in groups if "/r" not in g.group_id
+                                for s in g.completions} == {1.0}
+    rows = [r for r in _metrics(run_dir) if "reward_mean" in r]
+    assert rows[-1]["readmitted_prompts"] == summary["readmitted_prompts"] and rows[-1]["kl_k3_drift"] < 1e-3

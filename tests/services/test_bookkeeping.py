@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from threepo.algorithms.exploration import make_plan
-from threepo.deploy.bookkeeping import Ledger, PersistentFailure, PromptStream, RangeSet, admission_open
+from threepo.deploy.bookkeeping import Ledger, PersistentFailure, PromptStream, RangeSet, Readmission, admission_open
 from threepo.services.batching import INFRA, STATUSES
 from threepo.services.messages import GenerateReport, ScoreBatch, TaskItem, VerifyStatus
 from threepo.services.posterior import VersionPlan
@@ -151,3 +151,115 @@ def test_prompt_stream_is_reproducible_and_covers_every_item():
     assert first == [b[i].uid for i in range(14)]
     assert sorted(first[:7]) == sorted(it.uid for it in items) == sorted(first[7:])
     assert first[:7] != [PromptStream(items, seed=4)[i].uid for i in range(7)]
+
+
+# --- dead-group-aware exploration and the dynamic filter ---------------------------------------------
+WRONG = STATUSES.index(VerifyStatus.WRONG)
+
+
+def _rule_ledger(rule, kind="c3po", slots=2, steps=6, b=2):
+    ledger = Ledger(PromptStream(ITEMS, seed=0), prompts_per_step=b, max_offpolicy=1, total_steps=steps,
+                    mode="async", max_reissues=2, requests_per_call=8, readmission=rule)
+    plan = make_plan(kind, version=0, base_seed=1, group_size=4, n_slots=slots, equal_compute=True)
+    ledger.publish(VersionPlan(plan, learner_step=0, mean_checksum="m0", reason="start"))
+    return ledger
+
+
+def _arrive(ledger, requests, passed):
+    """Every request of `requests` arrives; the first passed[group id] rows of each group pass."""
+    left = dict(passed)
+    for k, r in enumerate(requests):
+        ok = min(r.n, left.get(r.group_id, 0))
+        left[r.group_id] = left.get(r.group_id, 0) - ok
+        statuses = np.array([OK] * ok + [WRONG] * (r.n - ok), dtype=np.uint8)
+        scores = ScoreBatch(statuses=statuses, rewards=(statuses == OK).astype(np.float32), verify_s=0.0)
+        assert ledger.arrived((r.request_id, k), _report([r]), scores) == []
+
+
+def test_a_dead_prompt_comes_back_once_as_a_new_group_with_scaled_slots_and_a_rescue_is_counted():
+    ledger = _rule_ledger(Readmission(fraction=0.5, dead_scale=2.0))  # B = 2: one re-admission per step
+    first = ledger.admit(learner_busy=False)  # prompts 0..3 (steps 0 and 1)
+    _arrive(ledger, first, {"p0/g0": 0, "p1/g0": 1, "p2/g0": 2, "p3/g0": 1})
+    assert not ledger.explore  # nothing is re-admitted before the dead round is consumed
+    ledger.take()
+    assert list(ledger.explore) == [(0, 1, 2.0, True)] and ledger.counts.dead_prompts == 1
+    again = ledger.admit(learner_busy=False)  # step 2's prompts: the re-admission takes a fresh prompt's place
+    plan = ledger.plan
+    assert [r.group_id for r in again][::2] == ["p0/g0/r1", "p4/g0"]
+    assert [(r.request_id, r.slot_seed, r.slot_scale) for r in again[:2]] == \
+        [("p0/g0/r1/s0", plan.slots[0].seed, 2.0), ("p0/g0/r1/s1", plan.slots[1].seed, 2.0)]
+    assert {r.slot_scale for r in again[2:]} == {1.0} and ledger.next_index == 5
+    assert ledger.admitted_prompts == 6 and ledger.counts.readmitted_prompts == 1  # counted as an admission
+    ledger.take()  # step 1: prompts 2 and 3
+    _arrive(ledger, again, {"p0/g0/r1": 1, "p4/g0": 0})
+    groups, *_ = ledger.take()
+    assert [g.group_id for g in groups] == ["p0/g0/r1", "p4/g0"]
+    c = ledger.counts
+    assert (c.retried_dead, c.rescued_dead, c.dead_prompts) == (1, 1, 2)
+    assert (0, 1) in ledger.consumed_rounds and 0 in ledger.consumed  # each consumed exactly once
+    assert list(ledger.explore) == [(4, 1, 2.0, True)]  # p4 died: queued; p0 was re-admitted once (readmit_max 1)
+    figures = ledger.exploration_figures()
+    assert figures["rescue_rate"] == 1.0 and figures["readmitted_prompts"] == 1
+
+
+def test_the_readmission_budget_and_solved_prompts():
+    ledger = _rule_ledger(Readmission(fraction=0.5, dead_scale=2.0, solved_scale=0.5))
+    first = ledger.admit(learner_busy=False)
+    _arrive(ledger, first, {"p0/g0": 0, "p1/g0": 0, "p2/g0": 4, "p3/g0": 1})  # two dead in step 0, p2 solved
+    ledger.take()
+    assert list(ledger.explore) == [(0, 1, 2.0, True)] and ledger.counts.readmit_dropped == 1  # queue: one step's budget
+    ledger.take()
+    assert ledger.counts.readmit_dropped == 2 and ledger.counts.solved_prompts == 1  # p2's queue place was taken
+    plain = _rule_ledger(Readmission(fraction=0.5))  # solved_scale 1: all-pass prompts are not re-admitted
+    requests = plain.admit(learner_busy=False)
+    _arrive(plain, requests, {"p0/g0": 4, "p1/g0": 4})
+    plain.take()
+    assert not plain.explore and plain.counts.solved_prompts == 2
+
+
+def test_grpo_retries_a_dead_prompt_at_the_mean():
+    ledger = _rule_ledger(Readmission(fraction=1.0), kind="grpo", slots=1)
+    requests = ledger.admit(learner_busy=False)
+    _arrive(ledger, requests, {})
+    ledger.take()
+    again = ledger.admit(learner_busy=False)
+    assert [(r.group_id, r.slot_seed, r.slot_scale) for r in again] == [("p0/g0/r1", None, 1.0), ("p1/g0/r1", None, 1.0)]
+
+
+def test_the_dynamic_filter_replaces_equal_reward_prompts_within_its_budget():
+    ledger = _rule_ledger(Readmission(filter=True, filter_fraction=0.5))  # one replacement per learner step
+    first = ledger.admit(learner_busy=False)  # prompts 0..3
+    _arrive(ledger, first, {"p0/g0": 0, "p1/g0": 1, "p2/g0": 4, "p3/g0": 2})
+    assert ledger.counts.dropped_groups == 1 and ledger.ready() == 3  # p0 dropped, p2 over budget: ready
+    assert ledger.admitted_prompts == 3
+    extra = ledger.admit(learner_busy=False)
+    assert {r.group_id for r in extra} == {"p4/g0"}  # the replacement takes p0's place
+    groups, keys, drop, versions = ledger.take()
+    assert [g.group_id for g in groups] == ["p1/g0", "p2/g0"] and versions == {0: 3}  # p0's group released too
+    p0_keys = [k for k in drop if k[0].startswith("p0/")]
+    assert len(p0_keys) == 2 and not set(p0_keys) & set(keys)  # its batches are freed, not handed to the learner
+    assert 0 in ledger.consumed and ledger.counts.dropped_rollouts == 4
+    _arrive(ledger, extra, {"p4/g0": 1})
+    groups, *_ = ledger.take()
+    assert [g.group_id for g in groups] == ["p3/g0", "p4/g0"]  # step 1 keeps B informative prompts
+
+
+def test_resume_keeps_rounds_queue_and_consumed_readmissions():
+    rule = Readmission(fraction=0.5, dead_scale=2.0)
+    ledger = _rule_ledger(rule)
+    first = ledger.admit(learner_busy=False)
+    _arrive(ledger, first, {"p0/g0": 0, "p1/g0": 1, "p2/g0": 0, "p3/g0": 1})
+    ledger.take()  # p0 dead: queued
+    ledger.take()  # p2 dead: the queue (one step's budget) is full
+    again = ledger.admit(learner_busy=False)  # steps 2 and 3: p0/r1, p4, p5, p6
+    assert [r.group_id for r in again][::2] == ["p0/g0/r1", "p4/g0", "p5/g0", "p6/g0"]
+    state = json.loads(json.dumps(ledger.state()))
+    restored = _rule_ledger(rule)
+    restored.load(state)
+    redo = restored.admit(learner_busy=False)
+    assert [r.request_id for r in redo] == [r.request_id for r in again]  # in flight: the same ids again
+    assert [r.slot_scale for r in redo] == [2.0, 2.0] + [1.0] * 6
+    _arrive(restored, redo[:4], {"p0/g0/r1": 0, "p4/g0": 1})
+    restored.take()
+    assert (0, 1) in restored.consumed_rounds and restored.counts.retried_dead == 1
+    assert restored.counts.rescued_dead == 0 and list(restored.explore) == []  # dead again; readmit_max 1

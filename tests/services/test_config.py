@@ -33,6 +33,11 @@ def test_bad_values_name_the_key(override, message):
     (["algo.exploration=c3po", "optim.name=adamw"], "set optim.name=ivon"),
     (["algo.vp2o=true"], "set model.kind=moe"),
     (["algo.exploration=b3po"], "b3po uses one slot; set algo.n_slots=1"),
+    (["algo.dead_group_scale=2"], "re-admitted only with algo.readmit_fraction > 0"),
+    (["algo.exploration=grpo", "algo.n_slots=1", "optim.name=adamw", "algo.readmit_fraction=0.25",
+      "algo.dead_group_scale=2"], "grpo serves the mean"),
+    (["algo.filter_replacements=0.5"], "only used with algo.dynamic_filter=true"),
+    (["algo.readmit_fraction=0.25", "algo.solved_group_scale=0"], "solved_group_scale: expected > 0"),
 ])
 def test_contradictory_combinations_are_rejected_at_start(overrides, message):
     with pytest.raises(ConfigError, match=message):
