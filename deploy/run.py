@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ from threepo.deploy import checkpoints
 from threepo.deploy.actors import Roles, init_ray, start_roles, start_stateful, stop_roles
 from threepo.deploy.bookkeeping import Ledger, PersistentFailure, PromptStream, Readmission
 from threepo.deploy.config import RunConfig
+from threepo.deploy.metrics import RestartCounter
 from threepo.deploy.outputs import RunLog, Window, record_driver_metrics, resume_metrics_file
 from threepo.services.verifiers.base import VerifierOutage
 
@@ -72,6 +74,7 @@ class Loop:
     idle_since: float | None = field(default_factory=time.monotonic)  # the learner waiting for groups
     pending: object = None                          # a checkpoint being written
     reported: dict = field(default_factory=dict)
+    restarts: RestartCounter = field(default_factory=RestartCounter)
 
 
 def train(cfg: RunConfig, run_dir: str, policy_path: str, resume_from: str | None = None) -> dict:
@@ -141,6 +144,7 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, resume_from: str | None = No
                 on_saved(s, done, run_dir)
         finish_checkpoint(s, run_dir)
     except (PersistentFailure, VerifierOutage) as err:
+        stop_checkpoint(s, run_dir)
         write_summary(s, run_dir, stopped=str(err))
         raise RunStopped(f"stopped at step {ledger.step}: {err}; resume with `threepo train --resume {run_dir}`") from None
     final = call(s.roles.learner.save_hf.remote(os.path.join(run_dir, "final")))
@@ -177,6 +181,7 @@ def on_scored(s: Loop, done, c: Call) -> None:
             raise PersistentFailure(f"verifiers died {c.verifier_attempts - 1} times on one batch") from None
         s.inflight[verifier(s).score.remote(c.batch)] = ("scored", c)
         return
+    s.restarts.observe("sampler", c.sampler, report.incarnation)
     key, s.next_key = s.next_key, s.next_key + 1
     redo = s.ledger.arrived(key, report, scores)
     if not s.ledger.drop_unused(key):
@@ -217,6 +222,7 @@ def on_learned(s: Loop, done, run_dir: str) -> None:
            "sync_event": result.publish, "sync_reason": result.publish_reason}
     s.window = Window()
     record_driver_metrics(s.log.metrics, row, s.ledger.counts, s.reported)
+    s.log.metrics["threepo_actor_restarts_total"].inc(s.restarts.take("sampler"), role="sampler")
     s.log.step(row)
     if rt.checkpoint_every and result.step % rt.checkpoint_every == 0 and result.step < rt.steps and not s.pending:
         s.pending = checkpoints.begin(s.roles, s.ledger, run_dir, s.log.offset())
@@ -245,6 +251,16 @@ def finish_checkpoint(s: Loop, run_dir: str) -> None:
     s.pending = checkpoints.begin(s.roles, s.ledger, run_dir, s.log.offset())
     for ref in list(s.pending.waiting):
         on_saved(s, ref, run_dir)
+
+
+def stop_checkpoint(s: Loop, run_dir: str) -> None:
+    """A run that stops keeps its work: the step in progress finishes, then a checkpoint is written
+    (the roles stay alive: a stop is the rest of the system's fault, not theirs)."""
+    for ref, (kind, _) in list(s.inflight.items()):
+        if kind == "learned":
+            s.inflight.pop(ref)
+            on_learned(s, ref, run_dir)
+    finish_checkpoint(s, run_dir)
 
 
 def adopt(s: Loop, published) -> None:
@@ -308,20 +324,29 @@ def main_train(args, cfg: RunConfig, resume_dir: str | None) -> int:
     path = policy_path(cfg)
     resume_from = checkpoints.latest(resume_dir) if resume_dir else None
     with contextlib.nullcontext(resume_dir) if resume_dir else run_directory(cfg, "train") as run_dir:
-        return _train_and_report(cfg, run_dir, path, resume_from)
+        try:
+            return _train_and_report(cfg, run_dir, path, resume_from)
+        except RunStopped as stopped:
+            print(f"threepo train: {stopped}", file=sys.stderr)
+            return 1
 
 
 def _train_and_report(cfg: RunConfig, run_dir: str, path: str, resume_from: str | None) -> int:
     from threepo.deploy.cli import evaluate_policy
 
     print(f"train: run directory {run_dir}")
-    before = evaluate_policy(cfg, path, label="held-out before")
+    around = cfg.eval.around_training
+    try:
+        before = evaluate_policy(cfg, path, label="held-out before") if around else None
+    except VerifierOutage as err:
+        raise RunStopped(f"held-out evaluation before training: {err}") from None
     summary = train(cfg, run_dir, path, resume_from=resume_from)
-    after = evaluate_policy(cfg, summary["final_checkpoint"], label="held-out after")
-    print(f"train: held-out before: {before.summary()}")
-    print(f"train: held-out after:  {after.summary()}")
+    after = evaluate_policy(cfg, summary["final_checkpoint"], label="held-out after") if around else None
+    if around:
+        print(f"train: held-out before: {before.summary()}")
+        print(f"train: held-out after:  {after.summary()}")
+        with open(os.path.join(run_dir, "eval.json"), "w") as f:
+            json.dump({"before": before.__dict__, "after": after.__dict__}, f, indent=2)
     print(f"train: rollouts admitted {summary['admitted_rollouts']}, consumed {summary['consumed_rollouts']} "
           f"(re-issued requests {summary['reissued_requests']}); report: {', '.join(summary['report'])}")
-    with open(os.path.join(run_dir, "eval.json"), "w") as f:
-        json.dump({"before": before.__dict__, "after": after.__dict__}, f, indent=2)
     return 0
