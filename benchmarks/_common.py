@@ -19,6 +19,9 @@ import tempfile
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# a fresh local Ray cluster per script: without this, ray.init() joins whatever cluster another process on
+# this machine started last (/tmp/ray/ray_current_cluster) and fails on num_cpus (or runs there)
+os.environ.setdefault("RAY_ADDRESS", "local")
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # quiet runs: no periodic checkpoints, no held-out evaluation inside the timed loop
