@@ -75,14 +75,31 @@ def update_coactivation_ema(
     return beta * prev_f + (1.0 - beta) * f, beta * prev_c + (1.0 - beta) * c
 
 
+def chance_lift(n_experts: int, top_k: int) -> float:
+    """Co-activation lift of a router choosing its top-k sets uniformly at random [OURS]:
+
+        f = K/E,  C_ij = K(K−1) / (E(E−1))   ⇒   λ₀ = C_ij / f² = E(K−1) / (K(E−1))
+    It is below 1 for every K < E (a top-k router cannot pick an expert twice, so two given experts
+    co-occur less often than independence would say), and the largest lift any pair can have is
+    E/K. Top-1 routing never co-activates two experts: λ₀ = 0.
+    """
+    if not 1 <= top_k <= n_experts or n_experts < 2:
+        raise ValueError(f"top_k: expected 1 <= top_k <= n_experts (>= 2), got {top_k} of {n_experts}")
+    return n_experts * (top_k - 1) / (top_k * (n_experts - 1))
+
+
 def coactivation_sets(
-    f_hat: torch.Tensor, c_hat: torch.Tensor, *, lift_hi: float = 2.0, lift_lo: float = 0.5
+    f_hat: torch.Tensor, c_hat: torch.Tensor, *, lift_hi: float = 2.0, lift_lo: float = 0.5, top_k: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attraction and repulsion sets from co-activation lift, algorithms.md §3.4:
 
-        lift_ij = Ĉ_ij / (f̂_i f̂_j + 1e-12)
+        lift_ij = Ĉ_ij / (f̂_i f̂_j + 1e-12)            (÷ chance_lift(E, K) when top_k = K is given)
         A(i) = {j ≠ i : lift_ij ≥ ℓ_hi},   R(i) = {j ≠ i : lift_ij ≤ ℓ_lo}
-    Inactive experts (f̂_i = 0) are in every R(j) and R(i) holds every j.
+    Inactive experts (f̂_i = 0) are in every R(j) and R(i) holds every j. With `top_k`, thresholds
+    are relative to a uniform top-k router (§3.4's ℓ_hi = 2 is then "twice as often as chance"):
+    the raw lift of a top-K-of-E router is at most E/K, e.g. 2 for top-2 of 4, so an absolute
+    ℓ_hi = 2 attracts nothing there [departure from §3.4, OURS]. With top-1 nothing co-activates:
+    A is empty and every pair repels.
     Args: f_hat [E], c_hat [E, E]. Returns (attract [E, E] bool, repel [E, E] bool), row i = set of i,
     diagonals False; pairs with ℓ_lo < lift < ℓ_hi are in neither.
     """
@@ -93,6 +110,9 @@ def coactivation_sets(
         raise ValueError(f"lift_lo/lift_hi: expected lift_lo < lift_hi, got {lift_lo} and {lift_hi}")
     off_diag = ~torch.eye(n_exp, dtype=torch.bool, device=f_hat.device)
     lift = c_hat / (f_hat[:, None] * f_hat[None, :] + 1e-12)
+    if top_k is not None:
+        chance = chance_lift(n_exp, top_k)
+        lift = lift / chance if chance else torch.zeros_like(lift)
     inactive = f_hat == 0
     attract = (lift >= lift_hi) & off_diag & ~inactive[:, None] & ~inactive[None, :]
     repel = ((lift <= lift_lo) | inactive[:, None] | inactive[None, :]) & off_diag

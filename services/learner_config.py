@@ -242,10 +242,15 @@ class VP2OConfig:
     """Weight λ_orth ≥ 0 of the expert orthogonalisation loss L_orth (§3.6)."""
     lambda_div: float = 1e-3
     """Weight λ_div ≥ 0 of the routing diversification loss L_div (§3.6)."""
-    lift_hi: float = 2.0
-    """Co-activation lift at or above which two experts attract (§3.4)."""
+    lift_hi: float = 1.25
+    """Co-activation lift at or above which two experts attract (§3.4), relative to a router picking
+    its top-k sets uniformly at random (`algorithms.moe.chance_lift`). A top-k-of-E router's raw lift
+    is at most E/K — 2 for the tiny MoE's top-2 of 4, where §3.4's absolute 2.0 attracted nothing
+    and the largest relative lift of a layer at initialisation is 1.2–2.0 (4 seeds, random and task
+    tokens); the embedded MoE's top-2 of 8 reaches 2–10."""
     lift_lo: float = 0.5
-    """Co-activation lift at or below which two experts repel (§3.4); must be < lift_hi."""
+    """Co-activation lift at or below which two experts repel (§3.4), relative to chance like
+    lift_hi; must be < lift_hi."""
     beta_co: float = 0.9
     """EMA factor β_co in [0, 1) of the load and co-activation statistics (§3.4)."""
     anchor_budget: float = math.sin(0.05) ** 2

@@ -186,10 +186,12 @@ class VP2OHooks:
                 raise RuntimeError(f"transform_grads: no routing recorded for {layer.name} since the last "
                                    "call; run the forward inside hooks.capture(mask) first")
             gate_up, down = layer.params
-            f, c = coactivation_stats(torch.cat(layer.routing), down.shape[0])
+            routing = torch.cat(layer.routing)
+            f, c = coactivation_stats(routing, down.shape[0])
             layer.routing.clear()
             layer.f_hat, layer.c_hat = update_coactivation_ema(layer.f_hat, layer.c_hat, f, c, cfg.beta_co)
-            attract, repel = coactivation_sets(layer.f_hat, layer.c_hat, lift_hi=cfg.lift_hi, lift_lo=cfg.lift_lo)
+            attract, repel = coactivation_sets(layer.f_hat, layer.c_hat, lift_hi=cfg.lift_hi, lift_lo=cfg.lift_lo,
+                                               top_k=routing.shape[1])  # thresholds relative to chance
             with torch.enable_grad():
                 p, layer.v = prototypes(down, layer.v, n_iter=cfg.power_iters)
                 kernel, bandwidth = angular_kernel(p, h_min=cfg.h_min)

@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from threepo.algorithms.moe import (
+    chance_lift,
     coactivation_sets,
     coactivation_stats,
     expert_orthogonality_loss,
@@ -82,6 +83,26 @@ def test_coactivation_sets_hand_case():
     assert not (attract & repel).any()
     with pytest.raises(ValueError, match="lift_lo"):
         coactivation_sets(f, c, lift_hi=0.5, lift_lo=0.5)
+
+
+def test_chance_lift_and_thresholds_relative_to_a_uniform_top_k_router():
+    # top-2 of 4: f = 1/2, C_ij = 2·1/(4·3) = 1/6, lift = (1/6)/(1/4) = 2/3 = 4·1/(2·3)
+    assert chance_lift(4, 2) == pytest.approx(2 / 3) and chance_lift(8, 2) == pytest.approx(8 / 14)
+    assert chance_lift(4, 1) == 0.0 and chance_lift(4, 4) == 1.0
+    uniform_f, uniform_c = torch.full((4,), 0.5, dtype=F64), torch.full((4, 4), 1 / 6, dtype=F64).fill_diagonal_(0.5)
+    attract, repel = coactivation_sets(uniform_f, uniform_c, lift_hi=1.25, lift_lo=0.5, top_k=2)
+    assert not attract.any() and not repel.any()  # relative lift 1: neutral
+    # pairs {0,1} and {2,3}, half the tokens each: C01 = 1/2 -> raw lift 2 (never >= 2.0 + ε), relative 3
+    paired_c = torch.tensor([[.5, .5, 0, 0], [.5, .5, 0, 0], [0, 0, .5, .5], [0, 0, .5, .5]], dtype=F64)
+    raw_attract, _ = coactivation_sets(uniform_f, paired_c, lift_hi=2.5, lift_lo=0.5)
+    attract, repel = coactivation_sets(uniform_f, paired_c, lift_hi=2.5, lift_lo=0.5, top_k=2)
+    assert not raw_attract.any() and attract.nonzero().tolist() == [[0, 1], [1, 0], [2, 3], [3, 2]]
+    assert repel.sum() == 8  # every cross pair never co-occurs
+    one_f, one_c = torch.full((4,), 0.25, dtype=F64), torch.diag(torch.full((4,), 0.25, dtype=F64))
+    attract, repel = coactivation_sets(one_f, one_c, top_k=1)  # top-1: nothing can co-activate
+    assert not attract.any() and repel.sum() == 12
+    with pytest.raises(ValueError, match="top_k"):
+        chance_lift(4, 5)
 
 
 def test_expert_outputs_match_per_token_loop():

@@ -19,8 +19,8 @@ from threepo.algorithms.vp2o import prototype_drift_fn  # noqa: E402
 from threepo.services.modeling import load_model  # noqa: E402
 from threepo.services.vp2o_hooks import VP2OConfig, VP2OHooks  # noqa: E402
 
-# with K = 2 of E = 4 every off-diagonal lift is < 1: thresholds that give both kinds of pairs here
-CFG = VP2OConfig(lift_hi=0.7, lift_lo=0.55, gamma_rep=1e-2, lambda_orth=1e-2, lambda_div=1e-2)
+# the default co-activation thresholds (relative to a uniform top-2 router) with stronger coefficients
+CFG = VP2OConfig(gamma_rep=1e-2, lambda_orth=1e-2, lambda_div=1e-2)
 
 
 @pytest.fixture()
@@ -73,7 +73,7 @@ def test_transform_grads_matches_the_pure_functions(model):
         experts = _experts(model, name)
         raw = [experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()]
         f, c = coactivation_stats(seen[name][1], 4, flat)  # first step: the EMA is the batch statistic
-        attract, repel = coactivation_sets(f, c, lift_hi=0.7, lift_lo=0.55)
+        attract, repel = coactivation_sets(f, c, lift_hi=CFG.lift_hi, lift_lo=CFG.lift_lo, top_k=2)
         assert attract.any() and repel.any()
         p, _ = prototypes(experts.down_proj, v0[name], n_iter=2)
         kern, h = angular_kernel(p)
@@ -248,3 +248,35 @@ def test_the_learner_contract_with_ivon(model):
         assert torch.equal(opt.state[n]["mean"], param.detach().float()), n
     with opt.sampled_params(None, train=False):  # p.data ← m keeps the shrunk step
         assert torch.equal(model.get_parameter(name).detach(), opt.state[name]["mean"])
+
+
+@pytest.mark.parametrize("experts", [4, 8], ids=["tiny MoE top-2 of 4", "embedded MoE top-2 of 8"])
+def test_the_default_thresholds_attract_and_repel_in_every_layer_of_the_embedded_moes(tiny_moe_path, experts):
+    # algorithms.md §3.4's absolute ℓ_hi = 2 attracted nothing for top-2 of 4 (raw lifts are at most E/K = 2)
+    from threepo.services.modeling import ModelConfig, build_model
+    from threepo.services.tasks import generate_items
+    from threepo.services.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    if experts == 4:
+        model = load_model(tiny_moe_path)
+    else:
+        model = build_model(ModelConfig(kind="moe"), vocab_size=72, pad_id=tokenizer.pad_token_id,
+                            eos_id=tokenizer.eos_token_id, seed=0)
+    hooks = VP2OHooks(model, VP2OConfig())
+    texts = [it.prompt + it.answer for it in generate_items("arith", "train", 32, seed=0)]
+    encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    ids = torch.zeros(len(encoded), max(map(len, encoded)), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, e in enumerate(encoded):
+        ids[i, :len(e)], mask[i, :len(e)] = torch.tensor(e), 1
+    with hooks.capture(mask):
+        model(input_ids=ids, attention_mask=mask)
+    for layer in hooks._layers:
+        f, c = coactivation_stats(torch.cat(layer.routing), experts)
+        attract, repel = coactivation_sets(f, c, lift_hi=2.0, lift_lo=0.5)
+        assert experts == 8 or not attract.any()  # the old absolute default, for comparison
+        attract, repel = coactivation_sets(f, c, lift_hi=VP2OConfig().lift_hi, lift_lo=VP2OConfig().lift_lo, top_k=2)
+        assert attract.any() and repel.any(), layer.name
+    metrics = hooks.transform_grads()  # the hooks use the same relative sets
+    assert metrics["vp2o_attract_pairs"] >= len(hooks.layer_names)
