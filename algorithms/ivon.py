@@ -6,8 +6,8 @@ Its state (fp32 mean m, Hessian h, momentum g_m; the step count t in the param g
 parameter name and exports to the layout of §1.6. A sample θ̂ = m + σ ⊙ z is written with
 `param_noise.perturbed`, so the θ̂ of a seed is exactly the one a sampler engine builds.
 
-What this is not: no collectives (a distributed learner all-reduces `sample_averages()` in place
-before `step()`), no schedule (set `param_groups[0]["lr"]`), no file I/O (`export_state` returns
+What this is not: no collectives (a data-parallel learner sums the gradients over its ranks before
+each sample is folded in, and steps only the tensors it owns: algorithms/ivon_shard.py), no schedule (set `param_groups[0]["lr"]`), no file I/O (`export_state` returns
 tensors and a JSON-able dict), no closure-driven MC loop.
 
 Departures from ivon-opt 0.1.3 (§1.5), each deliberate:
@@ -181,7 +181,8 @@ class IVON(torch.optim.Optimizer):
 
     def sample_averages(self) -> dict[str, torch.Tensor]:
         """The live K-sample means, {'grad/<name>', 'nxg/<name>' or 'gsq/<name>'}: fp32 [shape].
-        A data-parallel learner all-reduces (averages) these in place before `step()`."""
+        Among data-parallel ranks they are already global: each sample's gradients are summed over
+        the ranks before they are folded in (algorithms/ivon_shard.py)."""
         return {f"{kind}/{name}": t for name, avg in self._avg.items() for kind, t in avg.items()}
 
     @torch.no_grad()
@@ -269,15 +270,26 @@ class IVON(torch.optim.Optimizer):
         {'p1', 'p50', 'p99' (per `quantiles`), 'max', 'max_over_init' = max σ / σ0} with
         σ0 = 1/sqrt(λ(h0+δ)). Percentiles use an evenly strided subsample of at most ~`max_points`
         entries; the max is exact."""
-        group = self.param_groups[0]
+        return self.sigma_summary(*self.sigma_points(max_points), quantiles)
+
+    @torch.no_grad()
+    def sigma_points(self, max_points: int) -> tuple[torch.Tensor, float]:
+        """An evenly strided subsample of σ over this optimizer's tensors (CPU fp32, at most
+        ~`max_points`) and the exact max σ; several shards' are concatenated for `sigma_summary`."""
         total = sum(p.numel() for _, p in self._named())
-        stride = max(1, math.ceil(total / max_points))
+        stride = max(1, math.ceil(total / max(max_points, 1)))
         points, top = [], 0.0
         for name, _ in self._named():
             sigma = self._sigma(name).flatten()
             points.append(sigma[::stride].cpu())
             top = max(top, float(sigma.max()))
-        quant = torch.quantile(torch.cat(points).double(), torch.tensor(quantiles, dtype=torch.float64))
+        return torch.cat(points), top
+
+    def sigma_summary(self, points: torch.Tensor, top: float,
+                      quantiles: tuple[float, ...] = (0.01, 0.5, 0.99)) -> dict[str, float]:
+        """`sigma_percentiles`' figures from σ `points` and their max `top`."""
+        group = self.param_groups[0]
+        quant = torch.quantile(points.double(), torch.tensor(quantiles, dtype=torch.float64))
         sigma0 = 1.0 / math.sqrt(group["ess"] * (group["hess_init"] + group["weight_decay"]))
         out = {f"p{100 * q:g}": float(v) for q, v in zip(quantiles, quant)}
         return {**out, "max": top, "max_over_init": top / sigma0}

@@ -24,7 +24,7 @@ from threepo.services.bootstrap import BootstrapConfig
 from threepo.services.engines.base import SamplerConfig
 from threepo.services.errors import UserInputError
 from threepo.services.evaluation import EvalConfig
-from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig, VP2OConfig
+from threepo.services.learner_config import AlgoConfig, LearnerConfig, OptimConfig, SyncConfig, VP2OConfig
 from threepo.services.modeling import ModelConfig
 from threepo.services.tasks import TaskConfig, max_new_tokens_for
 from threepo.services.verifier_pool import VerifierConfig
@@ -131,7 +131,7 @@ class RunConfig:
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
 
     def __post_init__(self) -> None:
-        from threepo.services.learner_config import check_combination
+        from threepo.services.learner_config import check_combination, check_learner
 
         check_combination(self.algo, self.optim, self.model.kind)
         if not self.sampler.max_new_tokens:  # 0: the generation limit follows the task tier
@@ -139,6 +139,7 @@ class RunConfig:
             object.__setattr__(self, "sampler", dataclasses.replace(self.sampler, max_new_tokens=limit))
 
 
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
 class ConfigError(UserInputError):
     """A recipe or override that does not fit the schema; the message names the key."""
 
@@ -147,6 +148,7 @@ def load_config(recipe: str | None = None, overrides: typing.Sequence[str] = (),
                 schema: type = RunConfig) -> Any:
     """Defaults <- recipe file <- `section.field=value` overrides, validated into `schema`."""
     tree: dict[str, Any] = {}
+        check_learner(self.learner, self.algo, self.optim)
     if recipe:
         path = resolve_recipe(recipe)
         try:

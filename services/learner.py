@@ -30,6 +30,7 @@ from threepo.algorithms.param_noise import weights_checksum
 from threepo.algorithms.rouge import rouge_l_rewards
 from threepo.algorithms.sync_budget import sync_decision
 from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig
+from threepo.services.learner_ranks import Ranks, SingleRank
 from threepo.services.batching import MALFORMED, TrainBatch, collate
 from threepo.services.messages import CompletionBatch, GroupRows, PublishedVersion, ScoreBatch
 from threepo.services.modeling import load_model, trainable_named_parameters
@@ -53,15 +54,16 @@ class Learner:
 
     def __init__(self, model_path: str, algo: AlgoConfig, optim: OptimConfig, sync: SyncConfig, *,
                  temperature: float, max_new_tokens: int, threads: int = 1,
-                 vp2o: VP2OConfig | None = None) -> None:
+                 vp2o: VP2OConfig | None = None, ranks: Ranks | None = None, device: str = "cpu") -> None:
         torch.set_num_threads(threads)
         # a confident policy's softmax underflows into denormals, which made CPU steps ~1.8x slower
         torch.set_flush_denormal(True)
         self.model_path, self.algo, self.optim_cfg, self.sync = model_path, algo, optim, sync
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
-        self.model = load_model(model_path).train()
+        self.ranks, self.device = ranks or SingleRank(), torch.device(device)  # alone, or one of R ranks
+        self.model = load_model(model_path).to(self.device).train()
         self.named = trainable_named_parameters(self.model)
-        self.ref_model = load_model(model_path).eval() if algo.kl_coef else None
+        self.ref_model = load_model(model_path).to(self.device).eval() if algo.kl_coef else None
         self.opt = self._make_optimizer()
         self.vp2o = VP2OHooks(self.model, vp2o or VP2OConfig()) if algo.vp2o else None
         self.step_count, self.steps_since_sync = 0, 0
@@ -69,7 +71,7 @@ class Learner:
     def _make_optimizer(self):
         o = self.optim_cfg
         if o.name == "ivon":
-            return IVON(self.named, lr=o.lr, ess=o.ess, hess_init=o.hess_init, beta1=o.beta1,
+            return IVON(self.ranks.own(self.named), lr=o.lr, ess=o.ess, hess_init=o.hess_init, beta1=o.beta1,
                         beta2=o.beta2, weight_decay=o.weight_decay, clip_radius=o.clip_radius,
                         rescale_lr=o.rescale_lr)
         return torch.optim.AdamW([p for _, p in self.named], lr=o.lr, betas=(o.beta1, o.beta2),
@@ -87,18 +89,20 @@ class Learner:
         start = self._start_logprobs(batch, updates)
         lampo = self.algo.advantage == "lampo"  # its Δs needs π_prox before the first update
         advantages, adv_metrics = self._advantages(batch, rewards, start.first(updates) if lampo else None)
-        diag, vp2o_metrics = [], {}
+        diag, vp2o_metrics, size = [], {}, batch.rewards.shape[1]
         for u, points in enumerate(updates):
             for seed, rows in points:
+                mine = self.ranks.mine(rows, size)  # all rows alone; this rank's groups of them among R
                 with self._at(seed):
-                    metrics, logp = self._backward(batch, rows, advantages[rows], start.get(seed, rows))
+                    metrics, logp = self._backward(batch, mine, advantages[mine], start.get(seed, mine))
                 if u == 0:
-                    start.put(seed, rows, logp)  # update 0 runs at the start weights: its own π_prox
-                diag.append(metrics)
+                    start.put(seed, mine, logp)  # update 0 runs at the start weights: its own π_prox
+                diag.append((float(batch.mask[mine].sum()), metrics))
             vp2o_metrics = self._vp2o_step() if self.vp2o else self._optimizer_step()
+        self.ranks.share_logprobs(start, [((s, 1.0), r) for s, r in updates[0]] if updates and not lampo else [])
         self.step_count += 1
         self.steps_since_sync += 1
-        metrics = {**adv_metrics, **(_mean_dicts(diag) if diag else {}), **self._group_metrics(batch),
+        metrics = {**adv_metrics, **self.ranks.point_metrics(diag), **self._group_metrics(batch),
                    **vp2o_metrics, **self._drift_metrics(batch, start, updates),
                    "updates": float(len(updates)), "filtered_groups": float((~keep).sum())}
         decision = sync_decision(kl=metrics["kl_k3_drift"], ess_frac=metrics["ess_frac_drift"],
@@ -116,9 +120,12 @@ class Learner:
     def _optimizer_step(self) -> dict[str, float]:
         """One optimizer step from the accumulated gradients (no metrics of its own)."""
         if self.optim_cfg.name == "adamw":
+            self.ranks.all_reduce_grads(self.named)
             torch.nn.utils.clip_grad_norm_([p for _, p in self.named], self.optim_cfg.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        if self.optim_cfg.name == "ivon":
+            self.ranks.broadcast_from_owners(self.named)  # every rank's model at the owners' new means
         return {}
 
     def _vp2o_step(self) -> dict[str, float]:
@@ -155,7 +162,7 @@ class Learner:
         """Context placing the model at θ̂ = m + c · σ ⊙ z(seed), c = `scale` (IVON; c ≠ 1 only to
         rebuild a scaled slot, never to train) or leaving it as it is (AdamW)."""
         ivon = self.optim_cfg.name == "ivon"
-        return self.opt.sampled_params(seed, train=train, scale=scale) if ivon else contextlib.nullcontext()
+        return self.ranks.sampled(self.opt, self.named, seed, train, scale) if ivon else contextlib.nullcontext()
 
     def _start_logprobs(self, batch: TrainBatch, updates: list) -> StartLogprobs:
         """Token log-probs at the start of the step (no grad), for every point that needs them before
@@ -172,20 +179,31 @@ class Learner:
                     need.setdefault((seed, 1.0), set()).update(rows.tolist())
         for seed, rows in ([] if lampo or not updates else updates[0]):
             need.get((seed, 1.0), set()).difference_update(rows.tolist())
-        start = StartLogprobs(batch.mask.shape)
+        start, size = StartLogprobs(batch.mask.shape), batch.rewards.shape[1]
+        need = {point: torch.tensor(sorted(rows)) for point, rows in need.items() if rows}
         for (seed, scale), rows in need.items():
-            if rows:
-                idx = torch.tensor(sorted(rows))
-                with torch.no_grad(), self._at(seed, train=False, scale=scale):
-                    logits = self.model(input_ids=batch.input_ids[idx], attention_mask=batch.attn[idx]).logits
-                start.put(seed, idx, losses.token_logprobs(logits[:, :-1], batch.targets[idx], self.temperature), scale)
+            idx = self.ranks.mine(rows, size)  # every rank takes part in each point's collectives
+            with torch.no_grad(), self._at(seed, train=False, scale=scale):
+                logp = self._logprobs(batch, idx)
+            start.put(seed, idx, logp, scale)
+        self.ranks.share_logprobs(start, list(need.items()))
         return start
+
+    def _logprobs(self, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
+        if not len(rows):
+            return batch.logp_behav[rows]  # [0, T]: another rank's rows
+        logits = self.model(input_ids=batch.input_ids[rows], attention_mask=batch.attn[rows]).logits
+        return losses.token_logprobs(logits[:, :-1], batch.targets[rows], self.temperature)
 
     def _backward(self, batch: TrainBatch, rows: torch.Tensor, advantages: torch.Tensor,
                   logp_prox: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
         """Loss on `rows` at the current weights against π_prox (None: this forward is π_prox);
-        backward; return detached diagnostics and the detached token log-probs."""
+        backward; return detached diagnostics and the detached token log-probs. With no rows (another
+        rank's share) it only takes part in the denominators' collective."""
         a = self.algo
+        if not len(rows):
+            self.ranks.denominators(batch.mask[rows])
+            return {}, batch.logp_behav[rows]
         with self.vp2o.capture(batch.attn[rows]) if self.vp2o else contextlib.nullcontext():
             out = self.model(input_ids=batch.input_ids[rows], attention_mask=batch.attn[rows])
         logits = out.logits[:, :-1]
@@ -193,7 +211,7 @@ class Learner:
         logp = losses.token_logprobs(logits, batch.targets[rows], self.temperature)
         prox = logp.detach() if logp_prox is None else logp_prox
         loss_tok, mask_eff, metrics = self._policy_loss(logp, prox, batch.logp_behav[rows], advantages, mask)
-        agg = dict(max_len=self.max_new_tokens)
+        agg = dict(max_len=self.max_new_tokens, **self.ranks.denominators(mask_eff))  # global among ranks
         loss = losses.aggregate_loss(loss_tok, mask_eff, a.loss_agg, **agg)
         if a.entropy_coef:
             entropy = losses.entropy_from_logits(logits, self.temperature)
@@ -284,16 +302,23 @@ class Learner:
         if self.optim_cfg.name != "ivon":
             return {}
         # a 16k-point strided sample is plenty for percentiles and costs ~1 ms, not ~25 ms per step
-        return {f"sigma_{k}": float(v) for k, v in self.opt.sigma_percentiles(max_points=1 << 14).items()}
+        parts = self.ranks.gather_objects(self.opt.sigma_points(max_points=(1 << 14) // self.ranks.world))
+        summary = self.opt.sigma_summary(torch.cat([p for p, _ in parts]), max(top for _, top in parts))
+        return {f"sigma_{k}": float(v) for k, v in summary.items()}
 
     # ---- publishing and checkpoints -----------------------------------------------------------
     def published(self, reason: str = "") -> PublishedVersion:
         """The current mean and σ as fp32 numpy (what the posterior server stores as its next
         version) with the mean's exact checksum, which every engine checks on receipt; `reason`
-        records why it is published (start, kl, ess, staleness)."""
+        records why it is published (start, kl, ess, staleness). Among R ranks rank 0 returns it,
+        m and σ gathered from their owners; the other ranks return None."""
         if self.optim_cfg.name == "ivon":
-            mean = {n: t.numpy().copy() for n, t in self.opt.mean_by_name().items()}
-            sigma = {n: t.numpy().copy() for n, t in self.opt.sigma_by_name().items()}
+            parts = self.ranks.gather_first([self.opt.mean_by_name(), self.opt.sigma_by_name()], self.named)
+            if parts is None:
+                return None
+            mean, sigma = ({n: t.cpu().numpy().copy() for n, t in d.items()} for d in parts)
+        elif not self.ranks.first:
+            return None
         else:
             mean = {n: p.detach().float().numpy().copy() for n, p in self.named}
             sigma = None
@@ -305,10 +330,13 @@ class Learner:
         """Tensors and metadata of everything needed to continue exactly (checkpoint)."""
         meta = {"step": self.step_count, "steps_since_sync": self.steps_since_sync, "optim": self.optim_cfg.name}
         vp2o = {f"vp2o/{k}": v for k, v in self.vp2o.state().items()} if self.vp2o else {}
-        if self.optim_cfg.name == "ivon":
+        if self.optim_cfg.name == "ivon":  # this rank's tensors; the metadata names the whole model's
             tensors, ivon_meta = self.opt.export_state()
+            ivon_meta.update(param_order=[n for n, _ in self.named], shapes={n: list(p.shape) for n, p in self.named})
             return {**tensors, **vp2o}, {**meta, "ivon": ivon_meta}
-        tensors = {f"param/{n}": p.detach().clone() for n, p in self.named} | vp2o
+        if not self.ranks.first:
+            return {}, meta  # AdamW's state is the same on every rank: rank 0 writes it
+        tensors = {f"param/{n}": p.detach().cpu().clone() for n, p in self.named} | vp2o
         opt_state = self.opt.state_dict()
         for i, st in opt_state["state"].items():
             for k, v in st.items():
@@ -320,8 +348,11 @@ class Learner:
         if self.vp2o:
             self.vp2o.load_state({k[5:]: v for k, v in tensors.items() if k.startswith("vp2o/")})
         tensors = {k: v for k, v in tensors.items() if not k.startswith("vp2o/")}
-        if self.optim_cfg.name == "ivon":
-            self.opt.load_exported_state(tensors, meta["ivon"])
+        if self.optim_cfg.name == "ivon":  # this rank's tensors (unknown names stay, for IVON's check)
+            known = {n for n, _ in self.named}
+            order = [n for n in meta["ivon"]["param_order"] if n in self.opt.state or n not in known]
+            self.opt.load_exported_state(tensors, {**meta["ivon"], "param_order": order})
+            self.ranks.broadcast_from_owners(self.named)
             return
         with torch.no_grad():
             for n, p in self.named:
@@ -333,32 +364,13 @@ class Learner:
                 state["state"].setdefault(int(i), {})[k] = v
         self.opt.load_state_dict(state)
 
+    def wants(self, key: str) -> bool:
+        """Whether checkpoint tensor `key` is this rank's to load (IVON: only the tensors it owns)."""
+        kind, _, name = key.partition("/")
+        return self.optim_cfg.name != "ivon" or kind not in ("mean", "hess", "momentum") or name in self.opt.state
 
-def save_learner(learner: Learner, directory: str) -> None:
-    """Write the learner's training state into a checkpoint directory (learner.safetensors: model
-    mean, IVON Hessian and momentum or AdamW state; learner.json: step counters)."""
-    import json
-    import os
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state held here: IVON's m, h and g_m of this rank's tensors; AdamW's moments."""
+        return sum(t.numel() * t.element_size() for st in self.opt.state.values() for t in st.values()
+                   if torch.is_tensor(t))
 
-    from threepo.services.checkpoint import save_tensors
-
-    tensors, meta = learner.state()
-    save_tensors(os.path.join(directory, "learner.safetensors"), tensors)
-    with open(os.path.join(directory, "learner.json"), "w") as f:
-        json.dump(meta, f)
-
-
-def load_learner(learner: Learner, directory: str) -> None:
-    """Put `learner` back into the state `save_learner` wrote."""
-    import json
-    import os
-
-    from threepo.services.checkpoint import load_tensors
-
-    with open(os.path.join(directory, "learner.json")) as f:
-        meta = json.load(f)
-    learner.load_state(load_tensors(os.path.join(directory, "learner.safetensors")), meta)
-
-
-def _mean_dicts(dicts: list[dict]) -> dict[str, float]:
-    return {k: float(np.mean([d[k] for d in dicts])) for k in dicts[0]}

@@ -221,6 +221,63 @@ class SyncConfig:
             raise ValueError("sync.kappa > 0, sync.eta in (0, 1] and sync.max_staleness >= 1 expected")
 
 
+@dataclass(frozen=True)
+class LearnerConfig:
+    """How the learner runs: one process, or R data-parallel ranks (services/learner_ranks.py;
+    deploy/learner_group.py starts them as Ray actors in one placement group)."""
+
+    ranks: int = 1
+    """Data-parallel learner ranks, one Ray actor each (`runtime.learner_cpus` CPUs). Every rank runs
+    the forward and backward passes of its share of each step's groups; gradients are summed over
+    ranks; IVON's m, h and momentum are sharded by parameter name (≈ 1/R of the state per rank);
+    AdamW's state is whole on every rank unless `deepspeed_stage` shards it. Each rank writes its
+    own part of a checkpoint, which any number of ranks (1 included) can load."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend among the ranks: auto = nccl on `device=cuda`, gloo on cpu."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the learner computes; cuda gives each rank one GPU (Ray `num_gpus=1`)."""
+    deepspeed_stage: int = -1
+    """AdamW only: train the model through a DeepSpeed engine with this ZeRO stage (0-3; 2 shards
+    optimizer state and gradients, 3 also the parameters); -1 = without DeepSpeed. IVON does not go
+    through DeepSpeed: its perturbation θ̂ = m + σ ⊙ z(seed, name) is per parameter tensor, and
+    ZeRO-1/2/3 hand the optimizer flat partitions instead (feasibility.md, 2026-12-01); its own
+    state is sharded by name here instead. Needs `pip install 'threepo[deepspeed]'`."""
+    timeout_s: float = 300.0
+    """Longest wait of one collective: a rank that stops answering fails the group after this, and
+    the driver restores the learner from the latest checkpoint (a dead rank fails it at once)."""
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1:
+            raise ValueError(f"learner.ranks: expected >= 1, got {self.ranks}")
+        if self.deepspeed_stage not in (-1, 0, 1, 2, 3):
+            raise ValueError(f"learner.deepspeed_stage: expected -1 (off) or a ZeRO stage 0-3, got {self.deepspeed_stage}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"learner.timeout_s: expected > 0, got {self.timeout_s}")
+        if self.backend == "nccl" and self.device != "cuda":
+            raise ValueError("learner.backend=nccl needs learner.device=cuda")
+
+    @property
+    def resolved_backend(self) -> str:
+        return {"auto": "nccl" if self.device == "cuda" else "gloo"}.get(self.backend, self.backend)
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the learner runs as a group of ranks (a process group) rather than one actor."""
+        return self.ranks > 1 or self.deepspeed_stage >= 0
+
+
+def check_learner(learner: LearnerConfig, algo: AlgoConfig, optim: OptimConfig) -> None:
+    """Reject what a group of learner ranks cannot do, naming the keys to change."""
+    if learner.deepspeed_stage >= 0 and optim.name != "adamw":
+        raise ValueError(f"learner.deepspeed_stage={learner.deepspeed_stage}: only optim.name=adamw trains through "
+                         "DeepSpeed (IVON's state is sharded by parameter name without it); set learner.deepspeed_stage=-1")
+    if learner.ranks > 1 and algo.vp2o:
+        raise ValueError("algo.vp2o=true runs on one learner rank (its Stein terms couple all experts): set learner.ranks=1")
+    if learner.ranks > 1 and algo.loss == "kl_cov":
+        raise ValueError("algo.loss=kl_cov selects its tokens over the whole batch: set learner.ranks=1 "
+                         "or another algo.loss")
+
+
 def check_combination(algo: AlgoConfig, optim: OptimConfig, model_kind: str) -> None:
     """Reject combinations that cannot work, naming the keys to change."""
     if algo.exploration != "grpo" and optim.name != "ivon":
