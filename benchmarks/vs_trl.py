@@ -35,7 +35,9 @@ loop, the final checkpoint and report; the start-up is given beside it), complet
 that wall,
 and the held-out pass@1 of the final checkpoint (TRL's saved with `save_model` as an HF checkpoint),
 each evaluated the same way as `threepo eval model.path=<final dir>` (`deploy.cli.evaluate_policy`:
-the configured held-out items and samples), plus the starting checkpoint's. Ratios are threepo / TRL.
+the configured held-out items and samples), plus the starting checkpoint's. Ratios are threepo / TRL;
+the pass@1 difference is printed beside two standard errors of a difference of two pass@1 figures
+over the held-out items (items as the unit, which overstates the noise of several samples per item).
 
     pip install -e '.[bench]'
     python3 benchmarks/vs_trl.py [--steps 250] [--only trl grpo c3po] [section.field=value ...]
@@ -190,8 +192,12 @@ def main() -> None:
                               "heldout_pass1_diff": runs[side]["heldout"]["pass_at_1"] - ref["heldout"]["pass_at_1"]}
               for side in ("grpo", "c3po") if ref and side in runs}
     for name, r in ratios.items():
+        side = name.split("/")[0]
+        p1 = (runs[side]["heldout"]["pass_at_1"] + ref["heldout"]["pass_at_1"]) / 2
+        r["noise_2se"] = 2 * (2 * p1 * (1 - p1) / base.eval.num_items) ** 0.5  # items as the unit: conservative
         print(f"{name}: completions/s {r['completions_per_s']:.2f}x (target >= 1.3x), wall {r['wall']:.2f}x, "
-              f"held-out pass@1 {r['heldout_pass1_diff']:+.3f}")
+              f"held-out pass@1 {r['heldout_pass1_diff']:+.3f} (noise: 2 standard errors of a difference over "
+              f"{base.eval.num_items} items = {r['noise_2se']:.3f})")
     _common.write_results("vs_trl", {
         "model": model, "budget_rollouts": budget, "max_new_tokens": base.sampler.max_new_tokens,
         "start_heldout": start.__dict__, "ratios": ratios,
