@@ -145,7 +145,7 @@ def start_fakes(cfg, tokens: int, publish_every: int):
     from threepo.deploy.actors import ACTOR_ENV, PosteriorActor, Roles, posterior_config
 
     env = {"env_vars": ACTOR_ENV}
-    fake = lambda cls: ray.remote(cls).options(num_cpus=0, runtime_env=env)  # noqa: E731
+    fake = lambda cls: ray.remote(cls).options(num_cpus=0, runtime_env=env)
     roles = Roles(posterior=fake(PosteriorActor).remote(posterior_config(cfg)),
                   samplers=[fake(FakeSampler).remote(i, tokens) for i in range(cfg.runtime.num_samplers)],
                   verifiers=[fake(FakeVerifier).remote() for _ in range(cfg.runtime.num_verifiers)],
@@ -159,11 +159,11 @@ def one_run(cfg, args, profile: bool = False) -> dict:
     `profile` where the driver's CPU went, see `Profiler`)."""
     import json
 
+    import ray
+
     from threepo.deploy.actors import stop_roles
     from threepo.deploy.cli import make_run_dir
     from threepo.deploy.run import run
-
-    import ray
 
     roles = start_fakes(cfg, args.tokens, args.publish_every)
     with tempfile.TemporaryDirectory(prefix="threepo-driver-") as runs:
