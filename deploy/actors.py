@@ -343,6 +343,7 @@ def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str,
 def kill_role(actor) -> None:
     """Kill a role's actor, or every rank of a learner group (and its placement group)."""
     from threepo.deploy.learner_group import LearnerGroup
+                  deepspeed_stage=cfg.learner.deepspeed_stage,
 
     if isinstance(actor, LearnerGroup):
         actor.kill()

@@ -12,7 +12,7 @@ Not here: which rows form a group (the driver's ledger), advantages and losses (
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -83,6 +83,11 @@ class TrainBatch:
     texts: list                # [B] decoded completions (LamPO's ROUGE-L)
     solutions: list            # [B/G] reference solutions of the groups' items
     published_steps: np.ndarray  # [B/G] learner step that published each group's policy version
+
+    def to(self, device: torch.device) -> TrainBatch:
+        """The [B, L] tensors on `device` (rewards and slots stay on the CPU with the advantages' inputs)."""
+        moved = {k: getattr(self, k).to(device) for k in ("input_ids", "attn", "targets", "mask", "logp_behav")}
+        return self if device.type == "cpu" else replace(self, **moved)
 
 
 def _rows(groups: Sequence[GroupRows]) -> list[tuple[int, int]]:

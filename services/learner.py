@@ -30,6 +30,7 @@ from threepo.algorithms.param_noise import weights_checksum
 from threepo.algorithms.rouge import rouge_l_rewards
 from threepo.algorithms.sync_budget import sync_decision
 from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig
+from threepo.services.learner_deepspeed import DeepSpeedAdamW
 from threepo.services.learner_ranks import Ranks, SingleRank
 from threepo.services.batching import MALFORMED, TrainBatch, collate
 from threepo.services.messages import CompletionBatch, GroupRows, PublishedVersion, ScoreBatch
@@ -54,7 +55,8 @@ class Learner:
 
     def __init__(self, model_path: str, algo: AlgoConfig, optim: OptimConfig, sync: SyncConfig, *,
                  temperature: float, max_new_tokens: int, threads: int = 1,
-                 vp2o: VP2OConfig | None = None, ranks: Ranks | None = None, device: str = "cpu") -> None:
+                 vp2o: VP2OConfig | None = None, ranks: Ranks | None = None, device: str = "cpu",
+                 deepspeed_stage: int = -1) -> None:
         torch.set_num_threads(threads)
         # a confident policy's softmax underflows into denormals, which made CPU steps ~1.8x slower
         torch.set_flush_denormal(True)
@@ -64,7 +66,10 @@ class Learner:
         self.model = load_model(model_path).to(self.device).train()
         self.named = trainable_named_parameters(self.model)
         self.ref_model = load_model(model_path).to(self.device).eval() if algo.kl_coef else None
-        self.opt = self._make_optimizer()
+        # AdamW's model side through DeepSpeed at ZeRO `deepspeed_stage` (services/learner_deepspeed.py)
+        self.engine = (DeepSpeedAdamW(self.model, optim, deepspeed_stage, self.ranks.rank, self.ranks.world)
+                       if deepspeed_stage >= 0 else None)
+        self.opt = self.engine.optimizer if self.engine else self._make_optimizer()
         self.vp2o = VP2OHooks(self.model, vp2o or VP2OConfig()) if algo.vp2o else None
         self.step_count, self.steps_since_sync = 0, 0
 
@@ -82,7 +87,7 @@ class Learner:
              scores: Sequence[ScoreBatch]) -> StepResult:
         """One step on `groups`, whose rows live in the step's `batches` (scored by `scores`)."""
         started = time.perf_counter()
-        batch = collate(groups, batches, scores)
+        batch = collate(groups, batches, scores).to(self.device)
         rewards = self._rewards(batch)
         keep = adv_math.dynamic_filter(rewards) if self.algo.dynamic_filter else torch.ones(len(groups), dtype=torch.bool)
         updates = self._updates(batch, keep)
@@ -119,6 +124,9 @@ class Learner:
 
     def _optimizer_step(self) -> dict[str, float]:
         """One optimizer step from the accumulated gradients (no metrics of its own)."""
+        if self.engine:
+            self.engine.step()  # DeepSpeed reduces, clips and steps its partition
+            return {}
         if self.optim_cfg.name == "adamw":
             self.ranks.all_reduce_grads(self.named)
             torch.nn.utils.clip_grad_norm_([p for _, p in self.named], self.optim_cfg.grad_clip)
@@ -179,7 +187,7 @@ class Learner:
                     need.setdefault((seed, 1.0), set()).update(rows.tolist())
         for seed, rows in ([] if lampo or not updates else updates[0]):
             need.get((seed, 1.0), set()).difference_update(rows.tolist())
-        start, size = StartLogprobs(batch.mask.shape), batch.rewards.shape[1]
+        start, size = StartLogprobs(batch.mask.shape, batch.mask.device), batch.rewards.shape[1]
         need = {point: torch.tensor(sorted(rows)) for point, rows in need.items() if rows}
         for (seed, scale), rows in need.items():
             idx = self.ranks.mine(rows, size)  # every rank takes part in each point's collectives
@@ -224,7 +232,7 @@ class Learner:
             loss = loss + a.kl_coef * losses.aggregate_loss(kl, mask_eff, a.loss_agg, **agg)
         spec_loss, extra = self.vp2o.extra_loss() if self.vp2o else (0.0, {})
         loss = loss + spec_loss
-        loss.backward()
+        self.engine.backward(loss) if self.engine else loss.backward()
         return {"loss": float(loss.detach()), **extra, **{k: float(v) for k, v in metrics.items()}}, logp.detach()
 
     def _policy_loss(self, logp, prox, behav, advantages, mask):
@@ -281,14 +289,14 @@ class Learner:
         a = self.algo
         if a.advantage == "lampo":
             seq_logp = adv_math.sequence_logprob(logp_prox, batch.mask, a.lampo_seq_logp)
-            advantages = adv_math.lampo_advantages(rewards, seq_logp.view_as(rewards), tau=a.lampo_tau)
+            advantages = adv_math.lampo_advantages(rewards, seq_logp.view_as(rewards).to(rewards.device), tau=a.lampo_tau)
         elif a.advantage == "dr_grpo":
             advantages = adv_math.dr_grpo_advantages(rewards)
         else:
             advantages = adv_math.grpo_advantages(rewards)
         zero = adv_math.zero_advantage_groups(rewards)
         rescued = adv_math.rescued_groups(batch.rewards, batch.slots)
-        return advantages.reshape(-1).float(), {
+        return advantages.reshape(-1).float().to(batch.mask.device), {
             "reward_mean": float(batch.rewards.mean()), "advantage_mean": float(advantages.mean()),
             "zero_adv_frac": float(zero.float().mean()), "rescued_groups": float(rescued.sum())}
 
@@ -317,10 +325,11 @@ class Learner:
             if parts is None:
                 return None
             mean, sigma = ({n: t.cpu().numpy().copy() for n, t in d.items()} for d in parts)
-        elif not self.ranks.first:
-            return None
         else:
-            mean = {n: p.detach().float().numpy().copy() for n, p in self.named}
+            with self._whole():
+                mean = {n: p.detach().float().cpu().numpy().copy() for n, p in self.named}
+            if not self.ranks.first:
+                return None
             sigma = None
         checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
         return PublishedVersion(learner_step=self.step_count, reason=reason, mean=mean, sigma=sigma,
@@ -334,13 +343,15 @@ class Learner:
             tensors, ivon_meta = self.opt.export_state()
             ivon_meta.update(param_order=[n for n, _ in self.named], shapes={n: list(p.shape) for n, p in self.named})
             return {**tensors, **vp2o}, {**meta, "ivon": ivon_meta}
-        if not self.ranks.first:
-            return {}, meta  # AdamW's state is the same on every rank: rank 0 writes it
-        tensors = {f"param/{n}": p.detach().cpu().clone() for n, p in self.named} | vp2o
+        with self._whole():
+            tensors = {f"param/{n}": p.detach().cpu().clone() for n, p in self.named} if self.ranks.first else {}
+        tensors |= vp2o
+        if self.engine or not self.ranks.first:  # DeepSpeed writes its own part; else rank 0 writes the whole
+            return tensors, {**meta, "deepspeed": bool(self.engine)}
         opt_state = self.opt.state_dict()
         for i, st in opt_state["state"].items():
             for k, v in st.items():
-                tensors[f"adamw/{i}/{k}"] = v.clone() if torch.is_tensor(v) else torch.tensor(v)
+                tensors[f"adamw/{i}/{k}"] = v.cpu().clone() if torch.is_tensor(v) else torch.tensor(v)
         return tensors, meta
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
@@ -348,6 +359,8 @@ class Learner:
         if self.vp2o:
             self.vp2o.load_state({k[5:]: v for k, v in tensors.items() if k.startswith("vp2o/")})
         tensors = {k: v for k, v in tensors.items() if not k.startswith("vp2o/")}
+        if self.engine:
+            return  # the engine loaded its own part (learner_checkpoint.load_learner)
         if self.optim_cfg.name == "ivon":  # this rank's tensors (unknown names stay, for IVON's check)
             known = {n for n, _ in self.named}
             order = [n for n in meta["ivon"]["param_order"] if n in self.opt.state or n not in known]
@@ -364,13 +377,20 @@ class Learner:
                 state["state"].setdefault(int(i), {})[k] = v
         self.opt.load_state_dict(state)
 
+    def _whole(self):
+        """A context in which every parameter is whole (DeepSpeed ZeRO-3 gathers them: a collective)."""
+        return self.engine.gathered([p for _, p in self.named]) if self.engine else contextlib.nullcontext()
+
     def wants(self, key: str) -> bool:
         """Whether checkpoint tensor `key` is this rank's to load (IVON: only the tensors it owns)."""
         kind, _, name = key.partition("/")
         return self.optim_cfg.name != "ivon" or kind not in ("mean", "hess", "momentum") or name in self.opt.state
 
     def optimizer_state_bytes(self) -> int:
-        """Bytes of optimizer state held here: IVON's m, h and g_m of this rank's tensors; AdamW's moments."""
+        """Bytes of optimizer state held here: IVON's m, h and g_m of this rank's tensors; AdamW's moments
+        (DeepSpeed: and the fp32 master weights of this rank's partition)."""
+        if self.engine:
+            return self.engine.state_bytes()
         return sum(t.numel() * t.element_size() for st in self.opt.state.values() for t in st.values()
                    if torch.is_tensor(t))
 

@@ -28,6 +28,8 @@ def save_learner(learner: Learner, directory: str) -> None:
     if r.world == 1 or tensors:
         save_tensors(os.path.join(directory, "learner.safetensors" if r.world == 1 else f"learner-rank{r.rank}.safetensors"),
                      tensors)
+    if learner.engine:
+        learner.engine.save(directory)  # DeepSpeed's own per-rank files (a collective)
     if r.first:
         with open(os.path.join(directory, "learner.json"), "w") as f:
             json.dump({**meta, "ranks": r.world}, f)
@@ -44,4 +46,6 @@ def load_learner(learner: Learner, directory: str) -> None:
     for path in sorted(glob.glob(os.path.join(directory, "learner*.safetensors"))):
         with safe_open(path, framework="pt") as f:
             tensors.update({k: f.get_tensor(k) for k in f.keys() if learner.wants(k)})
+    if learner.engine:
+        learner.engine.load(directory)
     learner.load_state(tensors, meta)

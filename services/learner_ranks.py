@@ -36,6 +36,16 @@ class GroupBroken(RuntimeError):
     """A collective of the learner ranks failed; the group must be restarted as a whole."""
 
 
+def share_of(rows: torch.Tensor, group_size: int, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s share of a gradient point's rows (row r is in group r // group_size): its
+    contiguous slice of the point's groups in the order they appear, whole groups, the shares of
+    the ranks differing by at most one group."""
+    groups = rows // group_size
+    ordered = list(dict.fromkeys(groups.tolist()))
+    share = np.array_split(np.array(ordered, dtype=np.int64), world)[rank]
+    return rows[torch.isin(groups, torch.from_numpy(share))]
+
+
 def mean_dicts(dicts: list[dict]) -> dict[str, float]:
     return {k: float(np.mean([d[k] for d in dicts])) for k in dicts[0]}
 
@@ -110,11 +120,7 @@ class Ranks:
         return [(n, p) for n, p in named if self.owner[n] == self.rank]
 
     def mine(self, rows: torch.Tensor, group_size: int) -> torch.Tensor:
-        """This rank's share of a point's rows: its contiguous slice of the point's groups."""
-        groups = rows // group_size
-        ordered = list(dict.fromkeys(groups.tolist()))
-        share = np.array_split(np.array(ordered, dtype=np.int64), self.world)[self.rank]
-        return rows[torch.isin(groups, torch.from_numpy(share))]
+        return share_of(rows, group_size, self.rank, self.world)
 
     def denominators(self, mask: torch.Tensor) -> dict:
         counts = torch.tensor([float(mask.sum()), float((mask.sum(dim=1) > 0).sum())], dtype=torch.float64,

@@ -16,12 +16,12 @@ import torch
 class StartLogprobs:
     """Token log-probs [B, T] at the start-of-step weights, per point (seed, σ multiplier), filled row by row."""
 
-    def __init__(self, shape: torch.Size) -> None:
-        self.shape, self.logp, self.have = shape, {}, {}
+    def __init__(self, shape: torch.Size, device: torch.device | str = "cpu") -> None:
+        self.shape, self.device, self.logp, self.have = shape, device, {}, {}
 
     def put(self, seed: int | None, rows: torch.Tensor, logp: torch.Tensor, scale: float = 1.0) -> None:
         point = (seed, scale)
-        self.logp.setdefault(point, torch.zeros(self.shape))[rows] = logp
+        self.logp.setdefault(point, torch.zeros(self.shape, device=self.device))[rows] = logp
         self.have.setdefault(point, torch.zeros(self.shape[0], dtype=torch.bool))[rows] = True
 
     def get(self, seed: int | None, rows: torch.Tensor, scale: float = 1.0) -> torch.Tensor | None:
@@ -32,7 +32,7 @@ class StartLogprobs:
 
     def first(self, updates: list) -> torch.Tensor:
         """[B, T]: each row's π_prox at its first update (rows in no update stay 0)."""
-        out, done = torch.zeros(self.shape), torch.zeros(self.shape[0], dtype=torch.bool)
+        out, done = torch.zeros(self.shape, device=self.device), torch.zeros(self.shape[0], dtype=torch.bool)
         for seed, rows in (point for points in updates for point in points):
             fresh = rows[~done[rows]]
             out[fresh], done[fresh] = self.logp[(seed, 1.0)][fresh], True

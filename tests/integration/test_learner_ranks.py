@@ -166,6 +166,37 @@ def _state_is_sharded_and_loads_into_one_learner(group, one, cfg, path, tmp_path
         again.kill()
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_steps_like_one_adamw_and_resumes_its_shards(ray_session, tmp_path, tiny_dense_path, stage):
+    pytest.importorskip("deepspeed")
+    cfg = _configs(tiny_dense_path, tmp_path, "grpo_adamw", ranks=2)
+    one = _one_learner(tiny_dense_path, cfg)
+    arrays = batches_from_groups(_sampled_groups(tiny_dense_path, one.published(), "grpo", 1))
+    group = _group(cfg, tiny_dense_path, deepspeed_stage=stage)
+    try:
+        ray.get(group.step.remote(arrays[0], len(arrays[1]), *arrays[1], *arrays[2]))
+        one.step(*arrays)
+        after = ray.get(group.published.remote())
+        _adam_close(after.mean, one.published().mean, one)
+        # each rank holds half of the fp32 master weights and moments (12 B / 2 per parameter) where
+        # one AdamW learner holds its moments whole (8 B per parameter)
+        per_rank, whole = ray.get(group.state_bytes()), one.optimizer_state_bytes()
+        assert max(per_rank) < 0.8 * whole and abs(per_rank[0] - per_rank[1]) < 0.01 * whole, (per_rank, whole)
+        directory = str(tmp_path / "ckpt")
+        os.makedirs(directory)
+        ray.get(group.save_checkpoint.remote(directory))
+        again = _group(cfg, tiny_dense_path, deepspeed_stage=stage, checkpoint=directory)
+        try:
+            _close(ray.get(again.published.remote()).mean, after.mean, atol=0.0)
+        finally:
+            again.kill()
+    finally:
+        group.kill()
+    plain = _one_learner(tiny_dense_path, cfg)  # the weights export: one learner without DeepSpeed loads it
+    load_learner(plain, directory)
+    _close(plain.published().mean, after.mean, atol=0.0)
+
+
 SMALL = ["runtime.sampler_cpus=0.5", "runtime.learner_cpus=0.25", "runtime.verifier_cpus=0.25",
          "runtime.prompts_per_step=2", "runtime.eval_every=0", "algo.group_size=8", "sampler.max_new_tokens=12"]
 
