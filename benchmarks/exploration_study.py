@@ -1,0 +1,322 @@
+"""Exploration study (issue 13): does parameter-space exploration learn more where GRPO stalls?
+
+Arms, all at equal rollouts (same steps, prompts per step and G; M3PO with equal compute):
+- grpo: `--config grpo_baseline` (AdamW, no noise); entropy: + algo.entropy_coef=5e-3;
+  temperature: + sampler.temperature=1.2 (the action-space baselines of 3PO);
+- c3po (the default: IVON, N = 4 slots in one group), b3po (one slot), m3po (4 slots, a group each);
+- c3po_dead: C3PO with dead-group-aware exploration, a prompt whose rollouts all failed comes back
+  with every slot's σ × `--dead-scale` (algo.dead_group_scale).
+Every arm re-admits dead prompts the same way (algo.readmit_fraction = `--readmit`, a plain retry
+at the same σ, at the mean for grpo), so "rescued" is measured identically everywhere and only
+c3po_dead changes the noise: a dead prompt is rescued when its re-admission (a new group of a later
+step) has at least one successful rollout; the rate is rescued / re-admissions of dead prompts
+(the ledger's `rescued_dead` / `retried_dead`). Tasks: the embedded default (arith, difficulty 2)
+and `--config countdown_hard` (countdown with four numbers, bootstrapped to pass@1 0.05: most GRPO
+groups are all-fail). Per run: held-out pass@1 and pass@k of the final checkpoint (as `threepo eval`
+measures it, services/evaluation.py), pass@1 on every difficulty tier of the family, the mean
+zero-advantage group fraction and malformed rate of training, and the rescue rate; per arm the mean
+± std over seeds. MoE part: VP2O (`--config vp2o_moe`) against GRPO and plain C3PO on the same
+embedded MoE: held-out pass@1 and expert-output diversity 1 − L_orth (mean squared cosine between
+the outputs of each token's selected experts, algorithms.moe.expert_orthogonality_loss, on held-out
+prompts). Targets (issue 13, task where GRPO stalls): C3PO ≥ GRPO + 0.02 held-out pass@1 and ≥ 30%
+fewer zero-advantage groups; c3po_dead rescues ≥ 10% of dead groups where GRPO rescues < 5%.
+
+Writes benchmarks/results/exploration_study.{json,md,png} (the .md table is the one for
+benchmarks/README.md); run directories with final checkpoints under results/exploration_study/.
+`--resume` skips the runs already in the JSON file (a long study can be stopped and continued).
+
+    python3 benchmarks/exploration_study.py --quick    # smoke: a few minutes on 2 cores
+    python3 benchmarks/exploration_study.py            # full: 5 seeds x 2 tasks x 7 arms + MoE (hours)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+import tomllib
+
+import _common
+
+ARMS = {  # name -> (recipe, overrides)
+    "grpo": ("grpo_baseline", []),
+    "entropy": ("grpo_baseline", ["algo.entropy_coef=5e-3"]),
+    "temperature": ("grpo_baseline", ["sampler.temperature=1.2"]),
+    "b3po": (None, ["algo.exploration=b3po", "algo.n_slots=1"]),
+    "m3po": (None, ["algo.exploration=m3po", "algo.n_slots=4"]),
+    "c3po": (None, []),
+    "c3po_dead": (None, []),  # + algo.dead_group_scale (--dead-scale)
+}
+TASKS = {"arith": None, "countdown_hard": "countdown_hard"}  # name -> task recipe
+DIFFICULTIES = {"arith": (1, 2, 3), "countdown": (1, 2)}
+MOE_ARMS = {"grpo_moe": ("grpo_baseline", ["model.kind=moe"]), "c3po_moe": (None, ["model.kind=moe"]),
+            "vp2o": ("vp2o_moe", [])}
+STALLS = "countdown_hard"  # the task where GRPO stalls (targets)
+OUT = os.path.join(_common.RESULTS_DIR, "exploration_study")
+
+
+def recipe_overrides(recipe: str | None) -> list[str]:
+    """A shipped recipe as `section.field=value` overrides (so a task recipe and an arm recipe compose)."""
+    if recipe is None:
+        return []
+    from threepo.deploy.config import resolve_recipe
+
+    with open(resolve_recipe(recipe), "rb") as f:
+        tree = tomllib.load(f)
+    value = lambda v: json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else repr(v)  # noqa: E731
+    return [f"{section}.{key}={value(v)}" for section, table in tree.items() if isinstance(table, dict)
+            for key, v in table.items()]
+
+
+def expert_diversity(path: str, cfg) -> float:
+    """1 − L_orth of the checkpoint at `path` over held-out prompts (see the module docstring)."""
+    import torch
+
+    from threepo.deploy.cli import eval_items
+    from threepo.services.modeling import load_model, load_tokenizer
+    from threepo.services.vp2o_hooks import VP2OConfig, VP2OHooks
+
+    model, tokenizer = load_model(path).eval(), load_tokenizer(path)
+    hooks = VP2OHooks(model, VP2OConfig())
+    encoded = [tokenizer(it.prompt + it.answer, add_special_tokens=False)["input_ids"] for it in eval_items(cfg)[:128]]
+    ids = torch.zeros(len(encoded), max(map(len, encoded)), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, e in enumerate(encoded):
+        ids[i, :len(e)], mask[i, :len(e)] = torch.tensor(e), 1
+    with torch.no_grad(), hooks.capture(mask):
+        model(input_ids=ids, attention_mask=mask)
+    return 1.0 - hooks.extra_loss()[1]["vp2o_l_orth"]
+
+
+def one_run(task: str, arm: str, seed: int, model: str, recipe: str | None, overrides: list[str], args) -> dict:
+    """Train one arm, evaluate its final checkpoint on the task's held-out tier and every tier."""
+    from threepo.deploy.cli import evaluate_policy
+
+    from threepo.services.tasks import max_new_tokens_for
+
+    runs_dir = os.path.join(OUT, task, arm, f"s{seed}")
+    os.makedirs(runs_dir, exist_ok=True)
+    started = time.monotonic()
+    run = _common.train_run(model, overrides, f"{task}/{arm}/s{seed}", recipe=recipe, heldout=True, runs_dir=runs_dir)
+    cfg = _common.config(model, overrides, runs_dir, recipe)
+    final, rows = run["summary"]["final_checkpoint"], [r for r in run["rows"] if "reward_mean" in r]
+    tiers = {}
+    for d in DIFFICULTIES.get(cfg.task.family, ()):
+        if d == cfg.task.difficulty:
+            tiers[d] = run["heldout"]["pass_at_1"]
+            continue
+        # the trained limit or the tier's, whichever is longer: a capability, not a cut at a shorter limit
+        limit = max(cfg.sampler.max_new_tokens, max_new_tokens_for(cfg.task.family, d))
+        tier_cfg = _common.config(model, [*overrides, f"task.difficulty={d}", f"sampler.max_new_tokens={limit}"],
+                                  runs_dir, recipe)
+        tiers[d] = evaluate_policy(tier_cfg, final, label=f"d{d}").pass_at_1
+    s = run["summary"]
+    out = {"task": task, "arm": arm, "seed": seed, "pass1": run["heldout"]["pass_at_1"],
+           "passk": run["heldout"]["pass_at_k"], "k": run["heldout"]["k"],
+           "eval_malformed": run["heldout"]["malformed_rate"],
+           "zero_adv_frac": statistics.mean(r["zero_adv_frac"] for r in rows),
+           "malformed_rate": statistics.mean(r["malformed_rate"] for r in rows),
+           "reward_mean": statistics.mean(r["reward_mean"] for r in rows),
+           "retried_dead": s["retried_dead"], "rescued_dead": s["rescued_dead"],
+           "rescue_rate": s["rescued_dead"] / s["retried_dead"] if s["retried_dead"] else float("nan"),
+           "dead_prompts": s["dead_prompts"], "consumed_rollouts": s["consumed_rollouts"],
+           "pass1_by_difficulty": {str(d): p for d, p in tiers.items()}, "run_wall_s": run["run_wall_s"],
+           "startup_s": run["startup_s"], "steps": len(rows), "total_s": time.monotonic() - started,
+           "curves": {k: [r[k] for r in rows] for k in ("reward_mean", "zero_adv_frac")}}
+    if cfg.model.kind == "moe":
+        out["expert_diversity"] = expert_diversity(final, cfg)
+    return out
+
+
+def plan(args) -> list[tuple]:
+    """(task, arm, seed, model-config recipe, arm recipe, overrides) of every run of the study."""
+    common = [f"runtime.steps={args.steps}", f"algo.readmit_fraction={args.readmit}", *args.sizes, *args.overrides]
+    runs = []
+    for task in args.tasks:
+        for arm in args.arms:
+            recipe, extra = ARMS[arm]
+            extra = [*extra, f"algo.dead_group_scale={args.dead_scale}"] if arm == "c3po_dead" else extra
+            for seed in args.seed_list:
+                runs.append((task, arm, seed, TASKS[task], recipe,
+                             [*recipe_overrides(TASKS[task]), *extra, *common, f"seed={seed}", f"algo.seed={seed}"]))
+    for arm in args.moe_arms:
+        recipe, extra = MOE_ARMS[arm]
+        for seed in args.seed_list[:args.moe_seeds]:
+            runs.append(("moe", arm, seed, "vp2o_moe", recipe, [*extra, *common, f"seed={seed}", f"algo.seed={seed}"]))
+    return runs
+
+
+def model_for(model_recipe: str | None, args, cache: dict) -> str:
+    """The bootstrapped checkpoint of a task (cached by threepo), or a random tiny one for --model tiny
+    (and for the MoE part of --quick, which would otherwise bootstrap the MoE first)."""
+    if model_recipe not in cache:
+        if args.model == "tiny" or (args.quick and model_recipe == "vp2o_moe"):
+            cache[model_recipe] = save_tiny_moe() if model_recipe == "vp2o_moe" else _common.save_tiny(_tmp())
+        else:
+            from threepo.deploy.cli import policy_path
+            from threepo.deploy.config import load_config
+
+            cache[model_recipe] = policy_path(load_config(model_recipe))
+    return cache[model_recipe]
+
+
+def _tmp() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="threepo-study-tiny-")
+
+
+def save_tiny_moe() -> str:
+    """A random tiny Qwen2-MoE (4 experts, top-2), as tests/conftest.py builds it: smoke runs only."""
+    from threepo.services.modeling import ModelConfig, build_model
+    from threepo.services.tokenizer import build_tokenizer
+
+    directory, tokenizer = _tmp(), build_tokenizer()
+    cfg = ModelConfig(kind="moe", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
+                      num_experts=4, experts_per_token=2, expert_intermediate_size=32)
+    build_model(cfg, vocab_size=72, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, seed=0).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def aggregate(results: list[dict]) -> dict:
+    """(task, arm) -> mean and std over seeds of every scalar figure."""
+    keys = ("pass1", "passk", "zero_adv_frac", "rescue_rate", "malformed_rate", "eval_malformed", "reward_mean",
+            "expert_diversity")
+    out = {}
+    for r in results:
+        out.setdefault((r["task"], r["arm"]), []).append(r)
+    table = {}
+    for (task, arm), runs in out.items():
+        row = {"n": len(runs), "k": runs[0]["k"]}
+        for key in keys:
+            values = [r[key] for r in runs if key in r and r[key] == r[key]]
+            if values:
+                row[key] = (statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
+        tiers = sorted({d for r in runs for d in r["pass1_by_difficulty"]})
+        row["tiers"] = {d: statistics.mean(r["pass1_by_difficulty"][d] for r in runs) for d in tiers}
+        table[(task, arm)] = row
+    return table
+
+
+def markdown(table: dict) -> str:
+    """The table for benchmarks/README.md: mean ± std over seeds."""
+    fmt = lambda row, key: f"{row[key][0]:.3f} ± {row[key][1]:.3f}" if key in row else "—"  # noqa: E731
+    lines = ["| task | arm | seeds | held-out pass@1 | pass@k | zero-adv groups | dead rescued | malformed (train) "
+             "| pass@1 by difficulty | expert diversity |", "|---" * 10 + "|"]
+    for (task, arm), row in table.items():
+        tiers = ", ".join(f"d{d} {p:.3f}" for d, p in row["tiers"].items())
+        lines.append(f"| {task} | {arm} | {row['n']} | {fmt(row, 'pass1')} | {fmt(row, 'passk')} (k={row['k']}) | "
+                     f"{fmt(row, 'zero_adv_frac')} | {fmt(row, 'rescue_rate')} | {fmt(row, 'malformed_rate')} | "
+                     f"{tiers} | {fmt(row, 'expert_diversity')} |")
+    return "\n".join(lines)
+
+
+def targets(table: dict) -> list[str]:
+    """The issue's targets on the task where GRPO stalls, each with what the data show."""
+    get = lambda arm, key: table.get((STALLS, arm), {}).get(key, (float("nan"), 0.0))[0]  # noqa: E731
+    lines = []
+    if (STALLS, "grpo") in table and (STALLS, "c3po") in table:
+        gain, zero = get("c3po", "pass1") - get("grpo", "pass1"), 1 - get("c3po", "zero_adv_frac") / get("grpo", "zero_adv_frac")
+        lines.append(f"c3po - grpo held-out pass@1: {gain:+.3f} (target >= +0.020): {'met' if gain >= 0.02 else 'not met'}")
+        lines.append(f"c3po zero-advantage groups vs grpo: {zero:+.0%} fewer (target >= 30%): {'met' if zero >= 0.3 else 'not met'}")
+    if (STALLS, "c3po_dead") in table and (STALLS, "grpo") in table:
+        dead, grpo = get("c3po_dead", "rescue_rate"), get("grpo", "rescue_rate")
+        lines.append(f"dead groups rescued: c3po_dead {dead:.1%} (target >= 10%), grpo {grpo:.1%} (target < 5%): "
+                     f"{'met' if dead >= 0.1 and grpo < 0.05 else 'not met'}")
+    return lines
+
+
+def plot(results: list[dict], table: dict, path: str) -> None:
+    """Per task: training reward and zero-advantage fraction (mean over seeds, band ±1 std, smoothed
+    as deploy/report.py smooths), and held-out pass@1 and rescue rate per arm (±1 std)."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from threepo.deploy.report import POINTS_PER_HALF_WINDOW, smoothed
+
+    tasks = list(dict.fromkeys(r["task"] for r in results))
+    figure = Figure(figsize=(18, 3.6 * len(tasks)), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(len(tasks), 4, squeeze=False)
+    for row, task in zip(axes, tasks):
+        arms = list(dict.fromkeys(r["arm"] for r in results if r["task"] == task))
+        for ax, key, title in ((row[0], "reward_mean", "training reward"), (row[1], "zero_adv_frac", "zero-advantage groups")):
+            for arm in arms:
+                curves = [r["curves"][key] for r in results if (r["task"], r["arm"]) == (task, arm)]
+                n = min(map(len, curves))
+                half = n // POINTS_PER_HALF_WINDOW
+                data = np.array([smoothed(c[:n], half) for c in curves])
+                mean, std = data.mean(0), data.std(0)
+                (line,) = ax.plot(np.arange(1, n + 1), mean, label=arm)
+                ax.fill_between(np.arange(1, n + 1), mean - std, mean + std, color=line.get_color(), alpha=0.2)
+            ax.set_title(f"{task}: {title} (mean ± std over seeds)", fontsize="small")
+            ax.set_xlabel("step")
+        row[0].legend(fontsize="x-small")
+        last = ("expert_diversity", "expert-output diversity 1 − L_orth") if task == "moe" else \
+            ("rescue_rate", "dead groups rescued")
+        for ax, (key, title) in ((row[2], ("pass1", "held-out pass@1")), (row[3], last)):
+            present = [a for a in arms if key in table[(task, a)]]
+            ax.bar(range(len(present)), [table[(task, a)][key][0] for a in present],
+                   yerr=[table[(task, a)][key][1] for a in present], capsize=4)
+            ax.set_xticks(range(len(present)), present, rotation=30, fontsize="x-small")
+            ax.set_title(f"{task}: {title} (±1 std)", fontsize="small")
+    figure.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = _common.parser(__doc__)
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=250)
+    p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("--moe-arms", nargs="*", default=list(MOE_ARMS), choices=list(MOE_ARMS))
+    p.add_argument("--moe-seeds", type=int, default=5, help="seeds of the MoE part (the first N of --seeds)")
+    p.add_argument("--readmit", type=float, default=0.25, help="algo.readmit_fraction of every arm")
+    p.add_argument("--dead-scale", type=float, default=2.0, help="algo.dead_group_scale of c3po_dead")
+    p.add_argument("--resume", action="store_true", help="skip the runs already in the results file")
+    args = p.parse_args()
+    args.sizes = []
+    if args.quick:  # 3 arms x 2 seeds on countdown_hard and 2 MoE runs, small steps and evaluations
+        args.seeds, args.steps, args.tasks, args.moe_seeds = 2, 6, ["countdown_hard"], 1
+        args.arms, args.moe_arms = ["grpo", "c3po", "c3po_dead"], ["grpo_moe", "vp2o"]
+        args.sizes = ["runtime.prompts_per_step=4", "algo.group_size=8", "eval.num_items=32",
+                      "eval.samples_per_item=4", "eval.k=4"]
+    args.seed_list = list(range(args.seeds))
+    path = os.path.join(_common.RESULTS_DIR, "exploration_study.json")
+    results = []
+    if args.resume and os.path.exists(path):
+        with open(path) as f:
+            results = json.load(f)["runs"]
+    done, cache, failed, started = {(r["task"], r["arm"], r["seed"]) for r in results}, {}, {}, time.monotonic()
+    todo, new = [r for r in plan(args) if r[:3] not in done], []
+    for i, (task, arm, seed, model_recipe, recipe, overrides) in enumerate(todo):
+        print(f"\n=== run {i + 1}/{len(todo)}: {task} / {arm} / seed {seed} ({time.monotonic() - started:.0f} s)", flush=True)
+        try:
+            results.append(one_run(task, arm, seed, model_for(model_recipe, args, cache), recipe, overrides, args))
+            new.append(results[-1])
+        except Exception as err:  # one broken run must not lose the others' figures
+            failed[f"{task}/{arm}/s{seed}"] = f"{type(err).__name__}: {str(err).strip().splitlines()[-1]}"
+            print(f"[{task}/{arm}/s{seed}] FAILED: {failed[f'{task}/{arm}/s{seed}']}", flush=True)
+        _common.write_results("exploration_study", {"runs": results, "failed": failed, "args": vars(args)})
+    wall = time.monotonic() - started
+    if not results:
+        raise SystemExit(f"every run failed: {failed}")
+    table = aggregate(results)
+    text = markdown(table)
+    lines = targets(table)
+    print("\n" + text + "\n\n" + "\n".join(lines))
+    with open(os.path.join(_common.RESULTS_DIR, "exploration_study.md"), "w") as f:
+        f.write(text + "\n\n" + "\n".join(f"- {line}" for line in lines) + "\n")
+    plot(results, table, os.path.join(_common.RESULTS_DIR, "exploration_study.png"))
+    print(f"\n{len(todo)} runs in {wall / 60:.1f} min; figures in {_common.RESULTS_DIR}/exploration_study.*")
+    for r in new:
+        loop = r["run_wall_s"] / r["steps"]
+        print(f"  {r['task']}/{r['arm']}/s{r['seed']}: {loop:.2f} s/step, start-up {r['startup_s']:.0f} s, "
+              f"evaluations {r['total_s'] - r['run_wall_s'] - r['startup_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
