@@ -1,6 +1,6 @@
 """The driver's bookkeeping, without Ray: the prompt stream, admission under the staleness bound,
 routing to samplers, group assembly, re-issue and delivery accounting — `Ledger`, owned by the
-driver and unit-tested directly (tests/services/test_ledger.py).
+driver and unit-tested directly (tests/services/test_bookkeeping.py).
 
 The rules it enforces:
 - admission (staleness bound): prompt number `i` (0-based, admission order) will be consumed by
