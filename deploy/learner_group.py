@@ -97,7 +97,7 @@ class LearnerRankActor:
             return out
 
     def save_hf(self, directory: str) -> str:
-        with self._group():
+        with self._group(), self.actor.learner.whole_parameters():  # ZeRO-3: gathered on every rank
             out = self.actor.save_hf(directory) if self.ranks.first else directory
             self.ranks.barrier()
             return out

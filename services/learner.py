@@ -326,7 +326,7 @@ class Learner:
                 return None
             mean, sigma = ({n: t.cpu().numpy().copy() for n, t in d.items()} for d in parts)
         else:
-            with self._whole():
+            with self.whole_parameters():
                 mean = {n: p.detach().float().cpu().numpy().copy() for n, p in self.named}
             if not self.ranks.first:
                 return None
@@ -343,7 +343,7 @@ class Learner:
             tensors, ivon_meta = self.opt.export_state()
             ivon_meta.update(param_order=[n for n, _ in self.named], shapes={n: list(p.shape) for n, p in self.named})
             return {**tensors, **vp2o}, {**meta, "ivon": ivon_meta}
-        with self._whole():
+        with self.whole_parameters():
             tensors = {f"param/{n}": p.detach().cpu().clone() for n, p in self.named} if self.ranks.first else {}
         tensors |= vp2o
         if self.engine or not self.ranks.first:  # DeepSpeed writes its own part; else rank 0 writes the whole
@@ -377,7 +377,7 @@ class Learner:
                 state["state"].setdefault(int(i), {})[k] = v
         self.opt.load_state_dict(state)
 
-    def _whole(self):
+    def whole_parameters(self):
         """A context in which every parameter is whole (DeepSpeed ZeRO-3 gathers them: a collective)."""
         return self.engine.gathered([p for _, p in self.named]) if self.engine else contextlib.nullcontext()
 
