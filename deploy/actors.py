@@ -277,6 +277,8 @@ class Roles:
     learner: Any
     evaluator: Any = None
     starts: int = 0  # starts of the learner and posterior server so far
+    policy_path: str = ""  # what a sampler joining the elastic pool loads
+    run_dir: str = ""
 
 
 def start_roles(cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str | None = None) -> Roles:
@@ -286,12 +288,11 @@ def start_roles(cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str 
     check_backend_installed(cfg)
     env, run_id = {"env_vars": ACTOR_ENV}, os.path.basename(os.path.abspath(run_dir))
     sampler_cfg = cfg.sampler
-    samplers = [
-        ray.remote(SamplerActor).options(num_cpus=rt.sampler_cpus, max_restarts=-1, max_task_retries=0,
-                                         runtime_env=env, name=f"{run_id}-sampler-{i}")
-        .remote(policy_path, sampler_cfg, i, cfg.model.dtype)
-        for i in range(rt.num_samplers)
-    ]
+    samplers = [start_sampler(cfg, policy_path, run_dir, i) for i in range(rt.num_samplers)]
+    if not rt.num_samplers and rt.request_samplers:  # let the autoscaler grow the sampler group
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=[{rt.sampler_resource: 1}] * rt.request_samplers)
     # synchronous actors (max_concurrency=1) run on their main thread: math-verify's SIGALRM works
     verifiers = [
         ray.remote(VerifierActor).options(num_cpus=rt.verifier_cpus, max_restarts=-1, max_task_retries=0,
@@ -307,9 +308,23 @@ def start_roles(cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str 
                                                        name=f"{run_id}-evaluator").remote(
             policy_path, dataclasses.replace(sampler_cfg, backend="hf", batch_size=cfg.eval.batch_size), eval_items(cfg),
             cfg.verifier, auth_token(cfg.verifier.auth_env))
-    roles = Roles(None, samplers, verifiers, None, evaluator)
+    roles = Roles(None, samplers, verifiers, None, evaluator, policy_path=policy_path, run_dir=run_dir)
     start_stateful(roles, cfg, policy_path, run_dir, checkpoint)
     return roles
+
+
+def start_sampler(cfg: RunConfig, policy_path: str, run_dir: str, index: int):
+    """Sampler `index` as an actor. Fixed pool: restarted by Ray whenever it dies (max_restarts=-1).
+    Elastic pool (`runtime.num_samplers = 0`): placed on a node offering `runtime.sampler_resource`
+    and never restarted — when its node leaves, it is gone and the driver routes around it."""
+    rt = cfg.runtime
+    elastic = not rt.num_samplers
+    options = dict(num_cpus=rt.sampler_cpus, max_restarts=0 if elastic else -1, max_task_retries=0,
+                   runtime_env={"env_vars": ACTOR_ENV},
+                   name=f"{os.path.basename(os.path.abspath(run_dir))}-sampler-{index}")
+    if elastic:
+        options["resources"] = {rt.sampler_resource: 1}
+    return ray.remote(SamplerActor).options(**options).remote(policy_path, cfg.sampler, index, cfg.model.dtype)
 
 
 def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str | None) -> None:
@@ -328,6 +343,7 @@ def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str,
     args = (policy_path, cfg.algo, cfg.optim, cfg.sync)
     kwargs = dict(temperature=cfg.sampler.temperature, max_new_tokens=cfg.sampler.max_new_tokens,
                   threads=max(1, int(rt.learner_cpus)), vp2o=cfg.vp2o, device=cfg.learner.device,
+                  deepspeed_stage=cfg.learner.deepspeed_stage,
                   checkpoint=checkpoint, rollout_log=log)
     if cfg.learner.grouped:  # R ranks behind the same methods (deploy/learner_group.py)
         from threepo.deploy.learner_group import start_learner_group
@@ -343,7 +359,6 @@ def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str,
 def kill_role(actor) -> None:
     """Kill a role's actor, or every rank of a learner group (and its placement group)."""
     from threepo.deploy.learner_group import LearnerGroup
-                  deepspeed_stage=cfg.learner.deepspeed_stage,
 
     if isinstance(actor, LearnerGroup):
         actor.kill()
@@ -393,7 +408,8 @@ def init_ray(cfg: RunConfig) -> None:
         extra["_metrics_export_port"] = rt.metrics_port
     if rt.metrics_host == "127.0.0.1":
         _local_node_on_loopback()
-    ray.init(num_cpus=max(os.cpu_count() or 2, _cpus_needed(cfg)), include_dashboard=False,
+    # address="local": a new cluster, never one another process on this machine started last
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 2, _cpus_needed(cfg)), include_dashboard=False,
              log_to_driver=False, runtime_env={"env_vars": ACTOR_ENV}, **extra)
     port = ray.nodes()[0]["MetricsExportPort"]
     taken = f" (runtime.metrics_port={rt.metrics_port} was taken)" if rt.metrics_port not in (0, port) else ""
@@ -424,5 +440,5 @@ def _port_free(host: str, port: int) -> bool:
 
 def _cpus_needed(cfg: RunConfig) -> int:
     rt = cfg.runtime
-    return int(rt.num_samplers * rt.sampler_cpus + rt.num_verifiers * rt.verifier_cpus
+    return int(rt.num_samplers * rt.sampler_cpus + rt.num_verifiers * rt.verifier_cpus + rt.eval_cpus
                + cfg.learner.ranks * rt.learner_cpus + 0.999)

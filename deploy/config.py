@@ -58,7 +58,17 @@ class RuntimeConfig:
     """Admission bound: prompts are admitted only while every admitted group will be consumed
     within this many learner steps after the current one (admission control, never discarding)."""
     num_samplers: int = 2
-    """Sampler engine actors (each serves one slot at a time)."""
+    """Sampler engine actors (each serves one slot at a time); 0 = elastic: one sampler per unit of
+    `runtime.sampler_resource` the cluster offers, started as nodes join, dropped (their work
+    re-issued) as nodes leave."""
+    sampler_resource: str = "threepo_sampler"
+    """Elastic pool (num_samplers = 0): the custom Ray resource a node offers per sampler it can
+    host (`ray start --resources='{"threepo_sampler": 1}'`; the KubeRay sampler group sets it)."""
+    request_samplers: int = 0
+    """Elastic pool: ask the cluster's autoscaler for this many units of `sampler_resource`
+    (ray.autoscaler.sdk.request_resources), so KubeRay grows the sampler group (0 = ask for none)."""
+    pool_check_s: float = 2.0
+    """Elastic pool: seconds between looks at the cluster's sampler capacity."""
     sampler_cpus: float = 1.0
     """Ray CPUs per sampler actor (its torch threads follow)."""
     num_verifiers: int = 1
@@ -98,7 +108,10 @@ class RuntimeConfig:
     """Append every consumed group (msgpack, schema-versioned) to `rollouts.log` in the run directory."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "prompts_per_step", "num_samplers", "num_verifiers", "requests_per_call"):
+        if self.num_samplers < 0 or self.request_samplers < 0 or not self.pool_check_s > 0:
+            raise ValueError("runtime.num_samplers and runtime.request_samplers: expected >= 0 (num_samplers 0 ="
+                             " elastic), runtime.pool_check_s: expected > 0")
+        for name in ("steps", "prompts_per_step", "num_verifiers", "requests_per_call"):
             if getattr(self, name) < 1:
                 raise ValueError(f"runtime.{name}: expected >= 1, got {getattr(self, name)}")
         if self.max_offpolicy < 0:
@@ -126,6 +139,7 @@ class RunConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     vp2o: VP2OConfig = field(default_factory=VP2OConfig)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
@@ -134,12 +148,12 @@ class RunConfig:
         from threepo.services.learner_config import check_combination, check_learner
 
         check_combination(self.algo, self.optim, self.model.kind)
+        check_learner(self.learner, self.algo, self.optim)
         if not self.sampler.max_new_tokens:  # 0: the generation limit follows the task tier
             limit = max_new_tokens_for(self.task.family, self.task.difficulty)
             object.__setattr__(self, "sampler", dataclasses.replace(self.sampler, max_new_tokens=limit))
 
 
-    learner: LearnerConfig = field(default_factory=LearnerConfig)
 class ConfigError(UserInputError):
     """A recipe or override that does not fit the schema; the message names the key."""
 
@@ -148,7 +162,6 @@ def load_config(recipe: str | None = None, overrides: typing.Sequence[str] = (),
                 schema: type = RunConfig) -> Any:
     """Defaults <- recipe file <- `section.field=value` overrides, validated into `schema`."""
     tree: dict[str, Any] = {}
-        check_learner(self.learner, self.algo, self.optim)
     if recipe:
         path = resolve_recipe(recipe)
         try:

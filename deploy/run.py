@@ -75,6 +75,9 @@ class Loop:
     pending: object = None                          # a checkpoint being written
     reported: dict = field(default_factory=dict)
     restarts: RestartCounter = field(default_factory=RestartCounter)
+    joining: set = field(default_factory=set)       # elastic pool: samplers started, not answering yet
+    backlog: list = field(default_factory=list)     # requests waiting for a sampler to exist
+    pool_checked: float = 0.0
 
 
 def train(cfg: RunConfig, run_dir: str, policy_path: str, resume_from: str | None = None) -> dict:
@@ -127,12 +130,23 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, resume_from: str | None = No
             if not s.learning and ledger.ready() >= ledger.groups_per_step():
                 learn(s)
             # 3. wait for whatever finishes next and route it on
+            elastic = not rt.num_samplers
+            if elastic and time.monotonic() - s.pool_checked >= rt.pool_check_s:
+                grow_pool(s)
+            if not s.inflight and elastic:  # no sampler capacity in the cluster yet: wait for a node
+                time.sleep(rt.pool_check_s)
+                continue
             if not s.inflight:
                 raise RuntimeError(f"driver stalled at step {ledger.step}: nothing in flight, "
                                    f"{ledger.ready()} groups ready of {ledger.groups_per_step()} needed")
-            (done,), _ = ray.wait(list(s.inflight), num_returns=1)
+            done, _ = ray.wait(list(s.inflight), num_returns=1, timeout=rt.pool_check_s if elastic else None)
+            if not done:
+                continue
+            done = done[0]
             kind, payload = s.inflight.pop(done)
-            if kind == "scored":
+            if kind == "joined":
+                joined(s, done, payload)
+            elif kind == "scored":
                 on_scored(s, done, payload)
             elif kind == "learned":
                 on_learned(s, done, run_dir)
@@ -152,12 +166,45 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, resume_from: str | None = No
 
 
 def dispatch(s: Loop, requests: list) -> None:
-    """Send requests to samplers (one call per routed chunk, carrying a reference to its version's
-    weights) and each call's batch, by reference, on to a verifier."""
-    for sampler, chunk in s.ledger.route(requests, list(range(len(s.roles.samplers)))):
+    """Send requests to live samplers (one call per routed chunk, carrying a reference to its
+    version's weights) and each call's batch, by reference, on to a verifier. With no sampler alive
+    (an elastic pool between nodes) they wait in the backlog."""
+    live = [i for i, handle in enumerate(s.roles.samplers) if handle is not None and i not in s.joining]
+    requests, s.backlog = s.backlog + list(requests), []
+    if not live:
+        s.backlog = requests
+        return
+    for sampler, chunk in s.ledger.route(requests, live):
         weights = s.weights[chunk[0].policy_version]
         report, batch = s.roles.samplers[sampler].generate.options(num_returns=2).remote(chunk, [weights])
         s.inflight[verifier(s).score.remote(batch)] = ("scored", Call(sampler, chunk, report, batch))
+
+
+def grow_pool(s: Loop) -> None:
+    """Elastic pool: start a sampler for every unit of sampler capacity the cluster offers beyond
+    the live ones; it joins the routing once it answers (and loads the current version with its
+    first request)."""
+    from threepo.deploy.actors import start_sampler
+
+    rt = s.cfg.runtime
+    s.pool_checked = time.monotonic()
+    capacity = int(ray.cluster_resources().get(rt.sampler_resource, 0))
+    for _ in range(capacity - sum(h is not None for h in s.roles.samplers)):
+        index = len(s.roles.samplers)
+        handle = start_sampler(s.cfg, s.roles.policy_path, s.roles.run_dir, index)
+        s.roles.samplers.append(handle)
+        s.joining.add(index)
+        s.inflight[handle.stats.remote()] = ("joined", index)
+
+
+def joined(s: Loop, done, index: int) -> None:
+    """A new sampler answered (or died before it could): route to it from now on."""
+    s.joining.discard(index)
+    try:
+        ray.get(done)
+    except _DEAD:
+        s.roles.samplers[index] = None
+    dispatch(s, [])
 
 
 def verifier(s: Loop):
@@ -170,6 +217,8 @@ def on_scored(s: Loop, done, c: Call) -> None:
     try:
         report = ray.get(c.report)
     except _DEAD:
+        if not s.cfg.runtime.num_samplers:  # elastic: its node left, it is not coming back
+            s.roles.samplers[c.sampler] = None
         dispatch(s, s.ledger.lost(c.requests, sampler=True))  # a restarted sampler loads the version itself
         return
     try:

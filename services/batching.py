@@ -6,6 +6,8 @@ implicit (`<request id>/<j>`), so nothing per completion is built on the way fro
 learner's loss. The per-completion record form (`Group` of `ScoredCompletion`s: rollout logs,
 tests) is built only by `group_records` and read back by `batches_from_groups`.
 
+torch is imported only by `collate` (the learner's): samplers and verifiers use this module too.
+
 Not here: which rows form a group (the driver's ledger), advantages and losses (algorithms/).
 """
 
@@ -13,9 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from threepo.services.messages import (STATUSES, Completion, CompletionBatch, GenerateReport, Group, GroupRows,
                                        RolloutRequest, ScoreBatch, ScoredCompletion, VerifyRequest,
@@ -66,6 +68,10 @@ def score_batch(results: Sequence[VerifyResult], verify_s: float) -> ScoreBatch:
                       rewards=np.array([r.reward for r in results], dtype=np.float32), verify_s=verify_s)
 
 
+if TYPE_CHECKING:
+    import torch
+
+
 @dataclass
 class TrainBatch:
     """The learner's view of one step: B rows in groups of G (tensors), collated once."""
@@ -96,6 +102,8 @@ def _rows(groups: Sequence[GroupRows]) -> list[tuple[int, int]]:
 
 def collate(groups: Sequence[GroupRows], batches: Sequence[CompletionBatch], scores: Sequence[ScoreBatch]) -> TrainBatch:
     """Right-padded sequences with behaviour log-probs aligned to next-token targets."""
+    import torch
+
     sizes = {sum(count for _, _, count in g.parts) for g in groups}
     if len(sizes) != 1:
         raise ValueError(f"groups: expected one group size, got sizes {sorted(sizes)}")
