@@ -103,7 +103,8 @@ def main() -> None:
     kwargs = dict(temperature=cfg.sampler.temperature, max_new_tokens=cfg.sampler.max_new_tokens,
                   threads=max(1, int(rt.learner_cpus)), deepspeed_stage=cfg.learner.deepspeed_stage)
     figures = {}
-    one = ray.remote(LearnerActor).options(num_cpus=rt.learner_cpus, runtime_env=env).remote(*learner_args, **kwargs)
+    alone = {**kwargs, "deepspeed_stage": -1}  # one learner: plain AdamW or IVON
+    one = ray.remote(LearnerActor).options(num_cpus=rt.learner_cpus, runtime_env=env).remote(*learner_args, **alone)
     try:
         figures[1] = measure(one, inputs, args.steps)
     finally:
@@ -114,7 +115,8 @@ def main() -> None:
         figures[args.ranks]["state_bytes"] = ray.get(group.state_bytes())
     finally:
         group.kill()
-    local = Learner(*learner_args, **kwargs)
+    local = Learner(*learner_args, **alone)
+    local.step(*inputs)  # AdamW's moments exist after a step
     figures[1]["state_bytes"] = [local.optimizer_state_bytes()]
     numels = [(n, q.numel()) for n, q in trainable_named_parameters(load_model(model))]
     per_param = figures[1]["state_bytes"][0] / sum(n for _, n in numels)

@@ -13,7 +13,7 @@ ranks (rows are disjoint, so the sum is exact), so the drift diagnostics and the
 the same on every rank and equal to one learner's.
 
 A failed collective (a peer died, or `timeout_s` passed) raises `GroupBroken`: the group cannot
-continue, and the caller (deploy/actors.py) ends the rank so that the driver sees it die.
+continue, and the caller (deploy/learner_group.py) ends the rank so that the driver sees it die.
 
 Not here: Ray (deploy/learner_group.py starts the ranks), the optimizer math (algorithms/).
 """
