@@ -37,7 +37,8 @@ from threepo.services.learner_ranks import Ranks, SingleRank
 from threepo.services.batching import MALFORMED, TrainBatch, collate
 from threepo.services.messages import CompletionBatch, GroupRows, PublishedVersion, ScoreBatch
 from threepo.services.modeling import load_model, trainable_named_parameters
-from threepo.services.proximal import StartLogprobs
+from threepo.services.prefix_forward import shared_prefix_logits, whole_groups
+from threepo.services.proximal import StartLogprobs, drift_sample
 from threepo.services.vp2o_hooks import VP2OConfig, VP2OHooks
 
 
@@ -58,7 +59,7 @@ class Learner:
     def __init__(self, model_path: str, algo: AlgoConfig, optim: OptimConfig, sync: SyncConfig, *,
                  temperature: float, max_new_tokens: int, threads: int = 1,
                  vp2o: VP2OConfig | None = None, ranks: Ranks | None = None, device: str = "cpu",
-                 deepspeed_stage: int = -1) -> None:
+                 deepspeed_stage: int = -1, shared_prefix: bool = True) -> None:
         torch.set_num_threads(threads)
         # a confident policy's softmax underflows into denormals, which made CPU steps ~1.8x slower
         torch.set_flush_denormal(True)
@@ -74,6 +75,7 @@ class Learner:
         self.opt = self.engine.optimizer if self.engine else self._make_optimizer()
         self.vp2o = VP2OHooks(self.model, vp2o or VP2OConfig()) if algo.vp2o else None
         self.step_count, self.steps_since_sync = 0, 0
+        self.shared_prefix = shared_prefix and not algo.vp2o  # VP2O's hooks count the tokens they route
 
     def _make_optimizer(self):
         o = self.optim_cfg
@@ -93,7 +95,8 @@ class Learner:
         rewards = self._rewards(batch)
         keep = adv_math.dynamic_filter(rewards) if self.algo.dynamic_filter else torch.ones(len(groups), dtype=torch.bool)
         updates = self._updates(batch, keep)
-        start = self._start_logprobs(batch, updates)
+        measured = self._drift_rows(batch)  # before the step counter moves: one sample per step
+        start = self._start_logprobs(batch, updates, measured)
         lampo = self.algo.advantage == "lampo"  # its Δs needs π_prox before the first update
         advantages, adv_metrics = self._advantages(batch, rewards, start.first(updates) if lampo else None)
         diag, vp2o_metrics, size = [], {}, batch.rewards.shape[1]
@@ -110,7 +113,7 @@ class Learner:
         self.step_count += 1
         self.steps_since_sync += 1
         metrics = {**adv_metrics, **self.ranks.point_metrics(diag), **self._group_metrics(batch),
-                   **vp2o_metrics, **self._drift_metrics(batch, start, updates),
+                   **vp2o_metrics, **self._drift_metrics(batch, start, updates, measured),
                    "updates": float(len(updates)), "filtered_groups": float((~keep).sum())}
         decision = sync_decision(kl=metrics["kl_k3_drift"], ess_frac=metrics["ess_frac_drift"],
                                  steps_since_sync=self.steps_since_sync, kappa=self.sync.kappa,
@@ -174,15 +177,16 @@ class Learner:
         ivon = self.optim_cfg.name == "ivon"
         return self.ranks.sampled(self.opt, self.named, seed, train, scale) if ivon else contextlib.nullcontext()
 
-    def _start_logprobs(self, batch: TrainBatch, updates: list) -> StartLogprobs:
+    def _start_logprobs(self, batch: TrainBatch, updates: list, measured: torch.Tensor) -> StartLogprobs:
         """Token log-probs at the start of the step (no grad), for every point that needs them before
         the weights move: the π_prox of updates ≥ 1, every rollout's own slot θ̂ = m + c · σ ⊙ z(seed)
         at the current (m, σ) with the slot's own σ multiplier c for the drift diagnostic, and for
         LamPO also update 0's π_prox (Δs comes first). Update 0's π_prox is otherwise its own first
         forward (stored by `step`). Points are (seed, c); gradient points have c = 1."""
         lampo, need = self.algo.advantage == "lampo", {}
-        for r, point in enumerate(zip(batch.slot_seeds, batch.slot_scales)):
-            need.setdefault(point, set()).add(r)
+        points = list(zip(batch.slot_seeds, batch.slot_scales))
+        for r in measured.tolist():
+            need.setdefault(points[r], set()).add(r)
         for u, points in enumerate(updates):
             for seed, rows in points:
                 if u or lampo:
@@ -199,11 +203,24 @@ class Learner:
         self.ranks.share_logprobs(start, list(need.items()))
         return start
 
+    def _drift_rows(self, batch: TrainBatch) -> torch.Tensor:
+        """The rollouts the drift diagnostic measures this step (`sync.drift_rows`)."""
+        return drift_sample(list(zip(batch.slot_seeds, batch.slot_scales)), self.sync.drift_rows,
+                            step=self.step_count, seed=self.algo.seed)
+
     def _logprobs(self, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
         if not len(rows):
             return batch.logp_behav[rows]  # [0, T]: another rank's rows
-        logits = self.model(input_ids=batch.input_ids[rows], attention_mask=batch.attn[rows]).logits
+        logits = self._logits(self.model, batch, rows)
         return losses.token_logprobs(logits[:, :-1], batch.targets[rows], self.temperature)
+
+    def _logits(self, model, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
+        """[len(rows), L, V]: a plain forward, or with each group's prompt computed once when the
+        rows are whole groups (services/prefix_forward.py; equal at every completion position)."""
+        size = batch.rewards.shape[1]
+        if self.shared_prefix and whole_groups(rows, size):
+            return shared_prefix_logits(model, batch.input_ids[rows], batch.mask[rows], size)
+        return model(input_ids=batch.input_ids[rows], attention_mask=batch.attn[rows]).logits
 
     def _backward(self, batch: TrainBatch, rows: torch.Tensor, advantages: torch.Tensor,
                   logp_prox: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
@@ -215,8 +232,7 @@ class Learner:
             self.ranks.denominators(batch.mask[rows])
             return {}, batch.logp_behav[rows]
         with self.vp2o.capture(batch.attn[rows]) if self.vp2o else contextlib.nullcontext():
-            out = self.model(input_ids=batch.input_ids[rows], attention_mask=batch.attn[rows])
-        logits = out.logits[:, :-1]
+            logits = self._logits(self.model, batch, rows)[:, :-1]
         mask = batch.mask[rows]
         logp = losses.token_logprobs(logits, batch.targets[rows], self.temperature)
         prox = logp.detach() if logp_prox is None else logp_prox
@@ -228,7 +244,7 @@ class Learner:
             loss = loss - a.entropy_coef * losses.aggregate_loss(entropy, mask_eff, a.loss_agg, **agg)
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_logits = self.ref_model(input_ids=batch.input_ids[rows], attention_mask=batch.attn[rows]).logits
+                ref_logits = self._logits(self.ref_model, batch, rows)
             ref_logp = losses.token_logprobs(ref_logits[:, :-1], batch.targets[rows], self.temperature)
             kl = losses.kl_penalty(logp, ref_logp, a.kl_estimator)
             loss = loss + a.kl_coef * losses.aggregate_loss(kl, mask_eff, a.loss_agg, **agg)
@@ -255,17 +271,18 @@ class Learner:
         metrics["is_weight_mean"] = (weights.sum(1) / mask.sum(1).clamp(min=1)).mean()
         return loss_tok * weights, mask_eff, metrics
 
-    def _drift_metrics(self, batch: TrainBatch, start: StartLogprobs, updates: list) -> dict:
-        """Behaviour μ against (a) each rollout's own slot rebuilt at the start-of-step (m, σ) with its
-        own σ multiplier: the drift the sync budget acts on (`*_drift`), and (b) the π_prox of its first update (what the
+    def _drift_metrics(self, batch: TrainBatch, start: StartLogprobs, updates: list, measured: torch.Tensor) -> dict:
+        """Behaviour μ against (a) each measured rollout's own slot rebuilt at the start-of-step
+        (m, σ) with its own σ multiplier: the drift the sync budget acts on (`*_drift`; on the
+        `_drift_rows` sample), and (b) the π_prox of its first update (what the
         importance weights correct to: drift plus the noise between z and z′; updated rows only;
         a step without an update reports the drift values there)."""
-        same_slot = torch.zeros_like(batch.logp_behav)
-        points = list(zip(batch.slot_seeds, batch.slot_scales))
+        points = [(batch.slot_seeds[r], batch.slot_scales[r]) for r in measured.tolist()]
+        same_slot = torch.zeros_like(batch.logp_behav[measured])
         for seed, scale in set(points):
-            rows = torch.tensor([r for r, x in enumerate(points) if x == (seed, scale)])
-            same_slot[rows] = start.get(seed, rows, scale)
-        drift = off_policy.behaviour_drift(same_slot, batch.logp_behav, batch.mask)
+            at = torch.tensor([i for i, x in enumerate(points) if x == (seed, scale)])
+            same_slot[at] = start.get(seed, measured[at], scale)
+        drift = off_policy.behaviour_drift(same_slot, batch.logp_behav[measured], batch.mask[measured])
         out = {"kl_k3_drift": float(drift["kl_k3"]), "ess_frac_drift": float(drift["ess_frac"]),
                "kl_k3": float(drift["kl_k3"]), "ess_frac": float(drift["ess_frac"])}
         if updates:
@@ -338,46 +355,15 @@ class Learner:
                                 mean_checksum=checksum)
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """Tensors and metadata of everything needed to continue exactly (checkpoint)."""
-        meta = {"step": self.step_count, "steps_since_sync": self.steps_since_sync, "optim": self.optim_cfg.name}
-        vp2o = {f"vp2o/{k}": v for k, v in self.vp2o.state().items()} if self.vp2o else {}
-        if self.optim_cfg.name == "ivon":  # this rank's tensors; the metadata names the whole model's
-            tensors, ivon_meta = self.opt.export_state()
-            ivon_meta.update(param_order=[n for n, _ in self.named], shapes={n: list(p.shape) for n, p in self.named})
-            return {**tensors, **vp2o}, {**meta, "ivon": ivon_meta}
-        with self.whole_parameters():
-            tensors = {f"param/{n}": p.detach().cpu().clone() for n, p in self.named} if self.ranks.first else {}
-        tensors |= vp2o
-        if self.engine or not self.ranks.first:  # DeepSpeed writes its own part; else rank 0 writes the whole
-            return tensors, {**meta, "deepspeed": bool(self.engine)}
-        opt_state = self.opt.state_dict()
-        for i, st in opt_state["state"].items():
-            for k, v in st.items():
-                tensors[f"adamw/{i}/{k}"] = v.cpu().clone() if torch.is_tensor(v) else torch.tensor(v)
-        return tensors, meta
+        """Tensors and metadata of everything needed to continue exactly (services/learner_checkpoint.py)."""
+        from threepo.services.learner_checkpoint import learner_state
+
+        return learner_state(self)
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        self.step_count, self.steps_since_sync = meta["step"], meta["steps_since_sync"]
-        if self.vp2o:
-            self.vp2o.load_state({k[5:]: v for k, v in tensors.items() if k.startswith("vp2o/")})
-        tensors = {k: v for k, v in tensors.items() if not k.startswith("vp2o/")}
-        if self.engine:
-            return  # the engine loaded its own part (learner_checkpoint.load_learner)
-        if self.optim_cfg.name == "ivon":  # this rank's tensors (unknown names stay, for IVON's check)
-            known = {n for n, _ in self.named}
-            order = [n for n in meta["ivon"]["param_order"] if n in self.opt.state or n not in known]
-            self.opt.load_exported_state(tensors, {**meta["ivon"], "param_order": order})
-            self.ranks.broadcast_from_owners(self.named)
-            return
-        with torch.no_grad():
-            for n, p in self.named:
-                p.copy_(tensors[f"param/{n}"])
-        state = {"state": {}, "param_groups": self.opt.state_dict()["param_groups"]}
-        for key, v in tensors.items():
-            if key.startswith("adamw/"):
-                _, i, k = key.split("/")
-                state["state"].setdefault(int(i), {})[k] = v
-        self.opt.load_state_dict(state)
+        from threepo.services.learner_checkpoint import load_learner_state
+
+        load_learner_state(self, tensors, meta)
 
     def whole_parameters(self):
         """A context in which every parameter is whole (DeepSpeed ZeRO-3 gathers them: a collective)."""

@@ -14,6 +14,8 @@ import glob
 import json
 import os
 
+import torch
+
 from threepo.services.learner import Learner
 
 
@@ -49,3 +51,49 @@ def load_learner(learner: Learner, directory: str) -> None:
     if learner.engine:
         learner.engine.load(directory)
     learner.load_state(tensors, meta)
+
+
+def learner_state(learner: Learner) -> tuple[dict[str, torch.Tensor], dict]:
+    """Tensors and metadata of everything needed to continue exactly: step counters, IVON's state of
+    this rank's tensors (with the whole model's parameter order) or the parameters and AdamW moments."""
+    meta = {"step": learner.step_count, "steps_since_sync": learner.steps_since_sync, "optim": learner.optim_cfg.name}
+    vp2o = {f"vp2o/{k}": v for k, v in learner.vp2o.state().items()} if learner.vp2o else {}
+    if learner.optim_cfg.name == "ivon":  # this rank's tensors; the metadata names the whole model's
+        tensors, ivon_meta = learner.opt.export_state()
+        ivon_meta.update(param_order=[n for n, _ in learner.named], shapes={n: list(p.shape) for n, p in learner.named})
+        return {**tensors, **vp2o}, {**meta, "ivon": ivon_meta}
+    with learner.whole_parameters():
+        tensors = {f"param/{n}": p.detach().cpu().clone() for n, p in learner.named} if learner.ranks.first else {}
+    tensors |= vp2o
+    if learner.engine or not learner.ranks.first:  # DeepSpeed writes its own part; else rank 0 writes the whole
+        return tensors, {**meta, "deepspeed": bool(learner.engine)}
+    opt_state = learner.opt.state_dict()
+    for i, st in opt_state["state"].items():
+        for k, v in st.items():
+            tensors[f"adamw/{i}/{k}"] = v.cpu().clone() if torch.is_tensor(v) else torch.tensor(v)
+    return tensors, meta
+
+
+def load_learner_state(learner: Learner, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Put `learner` back into the state `learner_state` described."""
+    learner.step_count, learner.steps_since_sync = meta["step"], meta["steps_since_sync"]
+    if learner.vp2o:
+        learner.vp2o.load_state({k[5:]: v for k, v in tensors.items() if k.startswith("vp2o/")})
+    tensors = {k: v for k, v in tensors.items() if not k.startswith("vp2o/")}
+    if learner.engine:
+        return  # the engine loaded its own part (learner_checkpoint.load_learner)
+    if learner.optim_cfg.name == "ivon":  # this rank's tensors (unknown names stay, for IVON's check)
+        known = {n for n, _ in learner.named}
+        order = [n for n in meta["ivon"]["param_order"] if n in learner.opt.state or n not in known]
+        learner.opt.load_exported_state(tensors, {**meta["ivon"], "param_order": order})
+        learner.ranks.broadcast_from_owners(learner.named)
+        return
+    with torch.no_grad():
+        for n, p in learner.named:
+            p.copy_(tensors[f"param/{n}"])
+    state = {"state": {}, "param_groups": learner.opt.state_dict()["param_groups"]}
+    for key, v in tensors.items():
+        if key.startswith("adamw/"):
+            _, i, k = key.split("/")
+            state["state"].setdefault(int(i), {})[k] = v
+    learner.opt.load_state_dict(state)

@@ -215,10 +215,15 @@ class SyncConfig:
     max_staleness: int = 4
     """Publish after this many learner steps without a publish (1 = every step). On the embedded
     default, 4 gives ~65 publishes in 250 steps (KL and ESS fire too) and learns as well as 1."""
+    drift_rows: int = 32
+    """Rollouts the drift diagnostic (κ, η) is measured on each step: a seeded sample of one slot's
+    rows, the slot rotating with the step, so it costs one extra no-grad forward of these rows
+    instead of one of the whole batch at every slot (0 = every rollout at its own slot)."""
 
     def __post_init__(self) -> None:
-        if self.kappa <= 0 or not 0 < self.eta <= 1 or self.max_staleness < 1:
-            raise ValueError("sync.kappa > 0, sync.eta in (0, 1] and sync.max_staleness >= 1 expected")
+        if self.kappa <= 0 or not 0 < self.eta <= 1 or self.max_staleness < 1 or self.drift_rows < 0:
+            raise ValueError("sync.kappa > 0, sync.eta in (0, 1], sync.max_staleness >= 1 and "
+                             "sync.drift_rows >= 0 expected")
 
 
 @dataclass(frozen=True)
@@ -242,6 +247,10 @@ class LearnerConfig:
     through DeepSpeed: its perturbation θ̂ = m + σ ⊙ z(seed, name) is per parameter tensor, and
     ZeRO-1/2/3 hand the optimizer flat partitions instead (feasibility.md, 2026-12-01); its own
     state is sharded by name here instead. Needs `pip install 'threepo[deepspeed]'`."""
+    shared_prefix: bool = True
+    """Compute each group's prompt once and run only the completions on its repeated KV cache (the
+    same logits and gradients as a plain forward, to fp32 rounding; about half the learner's work
+    when prompts are as long as completions). VP2O's routing hooks keep the plain forward."""
     timeout_s: float = 300.0
     """Longest wait of one collective: a rank that stops answering fails the group after this, and
     the driver restores the learner from the latest checkpoint (a dead rank fails it at once)."""

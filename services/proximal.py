@@ -37,3 +37,15 @@ class StartLogprobs:
             fresh = rows[~done[rows]]
             out[fresh], done[fresh] = self.logp[(seed, 1.0)][fresh], True
         return out
+
+
+def drift_sample(points: list, sample: int, *, step: int, seed: int) -> torch.Tensor:
+    """Rows on which the drift diagnostic is measured: a seeded sample of `sample` rows of one
+    (slot seed, scale) point, the point rotating with `step` (`sample` 0: every row)."""
+    if not sample:
+        return torch.arange(len(points))
+    distinct = sorted(set(points), key=lambda p: (p[0] is None, p[0] or 0, p[1]))
+    chosen = distinct[step % len(distinct)]
+    rows = torch.tensor([r for r, p in enumerate(points) if p == chosen])
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return rows[torch.randperm(len(rows), generator=gen)[:sample]].sort().values

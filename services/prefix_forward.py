@@ -1,0 +1,74 @@
+"""The learner's forward pass with each group's prompt computed once (a shared-prefix forward).
+
+Every rollout of an advantage group continues the same prompt, so the prompt's keys and values are
+the same for all G of them. `shared_prefix_logits` runs the distinct prompts once (right-padded,
+with gradients), repeats their KV cache to the group's rows, and runs only the completions on top
+of it with explicit positions, then lays the logits out exactly as a plain forward of
+`batch.input_ids` would (position t predicts token t + 1), so every loss and diagnostic downstream
+is unchanged. The gradient reaches the prompt's positions through the repeated cache, summed over
+the group's rows — the same gradient as the plain forward's. On the embedded default (prompts about
+as long as completions) it halves the learner's FLOPs.
+
+Only rows that come in whole groups sharing one prompt can use it (the learner's batches do); a
+mixture-of-experts model with VP2O's routing hooks keeps the plain forward (the hooks count tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def prompt_spans(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt length, completion length) of each row from the completion mask of a TrainBatch
+    (mask[r, t] = 1 where position t predicts a completion token, i.e. t ∈ [P - 1, P - 1 + n))."""
+    n = mask.sum(1).long()
+    first = mask.argmax(1)
+    return first + 1, n
+
+
+def whole_groups(rows: torch.Tensor, group_size: int) -> bool:
+    """Are `rows` (indices into a batch ordered by group) whole, consecutive groups of `group_size`?"""
+    if not len(rows) or len(rows) % group_size:
+        return False
+    starts = rows.view(-1, group_size)[:, :1]
+    return bool((starts % group_size == 0).all()) and bool(
+        (rows.view(-1, group_size) == starts + torch.arange(group_size)).all())
+
+
+def shared_prefix_logits(model, input_ids: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Logits [R, L, V] of `input_ids` [R, L] (right-padded prompt + completion rows, in consecutive
+    groups of `group_size` sharing a prompt), equal to `model(input_ids, attention_mask).logits` at
+    every position that predicts a completion token (other positions are 0)."""
+    rows, width = input_ids.shape
+    if rows % group_size:
+        raise ValueError(f"{rows} rows are not whole groups of {group_size}")
+    prompt_len, comp_len = prompt_spans(mask)
+    heads = torch.arange(0, rows, group_size)
+    p_len = prompt_len[heads]
+    if not torch.equal(prompt_len.view(-1, group_size), p_len[:, None].expand(-1, group_size)):
+        raise ValueError("rows of a group have prompts of different lengths: not one shared prompt")
+    p_max, c_max = int(p_len.max()), int(comp_len.max())
+    cols = torch.arange(p_max)
+    prompt_attn = (cols[None, :] < p_len[:, None]).long()
+    prompts = torch.where(prompt_attn.bool(), input_ids[heads, :p_max], 0)
+    out = model(input_ids=prompts, attention_mask=prompt_attn, use_cache=True)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(group_size)
+    # completion tokens of each row, right-padded, at positions P, P + 1, ...
+    j = torch.arange(c_max)
+    take = (j[None, :] < comp_len[:, None])
+    src = (prompt_len[:, None] + j[None, :]).clamp(max=width - 1)
+    completions = torch.where(take, input_ids.gather(1, src), 0)
+    attn = torch.cat([prompt_attn.repeat_interleave(group_size, 0), take.long()], 1)
+    positions = prompt_len[:, None] + j[None, :]
+    comp_logits = model(input_ids=completions, attention_mask=attn, position_ids=positions,
+                        past_key_values=cache, use_cache=False).logits
+    # lay out like a plain forward: position P - 1 (last prompt token) predicts completion token 0,
+    # position P + j predicts completion token j + 1 (the completion's own logits)
+    logits = comp_logits.new_zeros((rows, width, comp_logits.shape[-1]))
+    row_of = torch.arange(rows)
+    logits = logits.index_put((row_of, prompt_len - 1), out.logits[row_of // group_size, p_len.repeat_interleave(group_size) - 1])
+    r_idx, j_idx = take[:, :-1].nonzero(as_tuple=True) if c_max > 1 else (row_of[:0], row_of[:0])
+    keep = j_idx + 1 < comp_len[r_idx]  # the last completion token predicts nothing
+    r_idx, j_idx = r_idx[keep], j_idx[keep]
+    return logits.index_put((r_idx, prompt_len[r_idx] + j_idx), comp_logits[r_idx, j_idx])

@@ -1,0 +1,54 @@
+"""The shared-prefix forward gives the plain forward's logits and gradients at every completion
+position (to fp32 rounding), for groups with prompts and completions of different lengths."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from threepo.services.modeling import load_model
+from threepo.services.prefix_forward import shared_prefix_logits, whole_groups
+
+
+def _batch(group_size=4, groups=3, seed=1):
+    rng, rows = np.random.default_rng(seed), []
+    for _ in range(groups):
+        prompt = list(rng.integers(2, 70, int(rng.integers(3, 12))))
+        rows += [(prompt, list(rng.integers(2, 70, int(rng.integers(1, 9))))) for _ in range(group_size)]
+    width = max(len(p) + len(c) for p, c in rows)
+    ids, attn = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width - 1)
+    for i, (p, c) in enumerate(rows):
+        ids[i, :len(p) + len(c)], attn[i, :len(p) + len(c)] = torch.tensor(p + c), 1
+        mask[i, len(p) - 1:len(p) - 1 + len(c)] = 1
+    return ids, attn, mask
+
+
+def test_logits_and_gradients_equal_the_plain_forward(tiny_dense_path):
+    model = load_model(tiny_dense_path).train()
+    ids, attn, mask = _batch()
+    plain = model(input_ids=ids, attention_mask=attn).logits
+    shared = shared_prefix_logits(model, ids, mask, 4)
+    at = mask.bool()
+    torch.testing.assert_close(shared[:, :-1][at], plain[:, :-1][at], atol=1e-5, rtol=1e-5)
+
+    def grads(logits):
+        model.zero_grad()
+        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        (logp * mask).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    g_plain, g_shared = grads(model(input_ids=ids, attention_mask=attn).logits), grads(shared_prefix_logits(model, ids, mask, 4))
+    for name in g_plain:
+        torch.testing.assert_close(g_shared[name], g_plain[name], atol=1e-4, rtol=1e-4)
+
+
+def test_only_whole_groups_with_one_prompt_share_it(tiny_dense_path):
+    assert whole_groups(torch.arange(8), 4) and whole_groups(torch.arange(4, 12), 4)
+    assert not whole_groups(torch.tensor([0, 1, 2, 4]), 4) and not whole_groups(torch.arange(2, 6), 4)
+    ids, _, mask = _batch(group_size=2, groups=2)
+    mask = mask.clone()
+    mask[1] = torch.roll(mask[1], 1)  # row 1 claims a longer prompt than row 0 of its group
+    with pytest.raises(ValueError, match="different lengths"):
+        shared_prefix_logits(load_model(tiny_dense_path), ids, mask, 2)
