@@ -41,7 +41,7 @@ def tiny_moe_path(tmp_path_factory) -> str:
 def ray_session():
     """One local Ray cluster for the whole test session (init/shutdown costs ~4.5 s)."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}})
     yield ray
     ray.shutdown()

@@ -107,6 +107,9 @@ def _precheck(request: VerifyRequest, max_trailing_chars: int = 64) -> tuple[str
     return final_boxed(request.completion, max_trailing_chars)
 
 
+_INTEGER = re.compile(r"[+-]?\d+")
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _parse_gold(gold: str, parsing_timeout_s: int) -> list:
     from math_verify import LatexExtractionConfig, parse
@@ -124,6 +127,9 @@ def check_math(gold: str, answer: str, parsing_timeout_s: int = 5, verify_timeou
     gold_number, answer_number = normalize_number(gold), normalize_number(answer)
     gold, shown = gold_number or gold, answer
     answer = answer_number or answer  # 1,234 -> 1234 (math-verify reads 1\\,234 as 235)
+    if _INTEGER.fullmatch(gold) and _INTEGER.fullmatch(answer):  # math-verify compares integers exactly
+        same = int(gold) == int(answer)
+        return (VerifyStatus.OK, "") if same else (VerifyStatus.WRONG, f"{shown[:40]!r} != {gold!r}")
     try:
         gold_parsed = _parse_gold(gold, parsing_timeout_s)
         if not gold_parsed:

@@ -66,10 +66,21 @@ def test_final_boxed():
 def test_gold_is_parsed_once_per_answer():
     math_verifier._parse_gold.cache_clear()
     verifier = MathVerifier()
-    for completion in ("\\boxed{81}", "\\boxed{80}", "\\boxed{81.0}"):
-        score(verifier, item("81"), completion)
+    for completion in ("\\boxed{\\frac{1}{2}}", "\\boxed{0.5}", "\\boxed{1/3}"):
+        score(verifier, item("\\frac{1}{2}"), completion)
     info = math_verifier._parse_gold.cache_info()
     assert (info.misses, info.hits) == (1, 2)
+
+
+def test_integers_are_compared_exactly_without_math_verify(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("math-verify was called for two integers")
+
+    monkeypatch.setattr("math_verify.verify", refuse)
+    verifier = MathVerifier()
+    assert score(verifier, item("81"), "\\boxed{81}").status is VerifyStatus.OK
+    assert score(verifier, item("81"), "\\boxed{1,281}").status is VerifyStatus.WRONG
+    assert score(verifier, item("-7"), "\\boxed{−7}").status is VerifyStatus.OK  # a Unicode minus
 
 
 def test_checker_failures_are_infra_errors_not_zero(monkeypatch):
@@ -80,7 +91,7 @@ def test_checker_failures_are_infra_errors_not_zero(monkeypatch):
         raise RuntimeError("sympy exploded")
 
     monkeypatch.setattr("math_verify.verify", broken)
-    result = score(MathVerifier(), item("81"), "\\boxed{81}")
+    result = score(MathVerifier(), item("\\frac{1}{2}"), "\\boxed{0.5}")
     assert result.status is VerifyStatus.INFRA_ERROR and math.isnan(result.reward)
     assert "sympy exploded" in result.details
 
