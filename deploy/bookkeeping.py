@@ -288,7 +288,8 @@ class Ledger:
         """(sampler, requests) calls, one version per call and at most `requests_per_call` each.
         Request (prompt p, slot s) goes to sampler (p·S + s) mod n of the live ones: with at least as
         many slots as engines each engine keeps its slots (no weight switching), otherwise prompts
-        spread round-robin."""
+        spread round-robin. A sampler's requests are cut into calls slot by slot, so a call serves
+        as few slots as possible and each slot's prompts are decoded in one batch."""
         if not samplers:
             raise RuntimeError("no sampler is alive to route requests to")
         by_target: dict = {}
@@ -296,8 +297,11 @@ class Ledger:
             p = self.groups[r.group_id].prompt_index
             target = samplers[(p * len(self.plan.slots) + r.slot) % len(samplers)]
             by_target.setdefault((target, r.policy_version), []).append(r)
-        return [(target, reqs[k:k + self.per_call]) for (target, _), reqs in by_target.items()
-                for k in range(0, len(reqs), self.per_call)]
+        calls = []
+        for (target, _), reqs in by_target.items():
+            reqs = sorted(reqs, key=lambda r: (r.slot, r.slot_scale))  # stable: admission order within a slot
+            calls += [(target, reqs[k:k + self.per_call]) for k in range(0, len(reqs), self.per_call)]
+        return calls
 
     # --- results --------------------------------------------------------------------------------------
     def arrived(self, key: Hashable, report: GenerateReport, scores: ScoreBatch) -> list[RolloutRequest]:

@@ -57,8 +57,9 @@ class RuntimeConfig:
     max_offpolicy: int = 1
     """Admission bound: prompts are admitted only while every admitted group will be consumed
     within this many learner steps after the current one (admission control, never discarding)."""
-    num_samplers: int = 2
-    """Sampler engine actors (each serves one slot at a time); 0 = elastic: one sampler per unit of
+    num_samplers: int = 1
+    """Sampler engine actors (each serves one slot at a time; on 2 cores one engine beside the
+    learner is fastest: it serves every slot in turn); 0 = elastic: one sampler per unit of
     `runtime.sampler_resource` the cluster offers, started as nodes join, dropped (their work
     re-issued) as nodes leave."""
     sampler_resource: str = "threepo_sampler"
