@@ -148,13 +148,18 @@ class IVON(torch.optim.Optimizer):
         """
         if train and scale != 1.0:
             raise ValueError(f"sampled_params: a training sample needs scale 1 (ε ~ N(0, σ²)), got {scale}")
+        noise = {}  # z of a training sample, drawn once: the Price estimate needs it again
         try:
             with torch.no_grad():
                 for name, p in self._named():
-                    p.copy_(perturbed(self.state[name]["mean"], self._sigma(name), seed, name, scale))
+                    mean = self.state[name]["mean"]
+                    z = noise_like(seed, name, mean.shape) if train and seed is not None else None
+                    p.copy_(perturbed(mean, self._sigma(name), seed, name, scale, z=z))
+                    if z is not None:
+                        noise[name] = z
             yield
             if train:
-                self._accumulate(seed)
+                self._accumulate(seed, noise)
                 self.zero_grad(set_to_none=True)
         finally:
             with torch.no_grad():
@@ -162,7 +167,7 @@ class IVON(torch.optim.Optimizer):
                     p.copy_(self.state[name]["mean"])
 
     @torch.no_grad()
-    def _accumulate(self, seed: int | None) -> None:
+    def _accumulate(self, seed: int | None, noise: dict[str, torch.Tensor]) -> None:
         self._count += 1
         second = "nxg" if self.param_groups[0]["hess_approx"] == "price" else "gsq"
         for name, p in self._named():
@@ -173,7 +178,7 @@ class IVON(torch.optim.Optimizer):
             elif seed is None:
                 moment = torch.zeros_like(mean)
             else:
-                moment = self._sigma(name) * noise_like(seed, name, mean.shape).to(mean.device) * grad
+                moment = self._sigma(name) * noise[name].to(mean.device) * grad
             avg = self._avg.setdefault(name, {"grad": torch.zeros_like(mean), second: torch.zeros_like(mean)})
             # Welford running mean: avg += (x - avg) / k, exact for any K without storing samples
             avg["grad"].add_(grad - avg["grad"], alpha=1.0 / self._count)

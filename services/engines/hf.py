@@ -19,6 +19,7 @@ import torch
 
 from threepo.algorithms import param_noise
 from threepo.algorithms.sampling import row_uniforms, sample_with_uniforms, sampling_logprobs
+from threepo.services.engines.qwen2_decode import LeanQwen2
 from threepo.services.engines.base import (EngineRequest, GeneratedSample, SamplerConfig, ServeReport,
                                            WeightsMismatch)
 from threepo.services.messages import NoiseSpec, SamplingParams
@@ -41,26 +42,60 @@ def sample_batch(model: PreTrainedModel, prompt_ids: Sequence[Sequence[int]], se
         input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
         attn[row, width - len(ids):] = 1
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True)
-    cache_kwarg = _cache_kwarg(model)
+    step_logits = _stepper(model, input_ids, attn, positions, params.max_new_tokens)
     row_seeds = np.array(seeds, dtype=np.uint64)
     tokens, logps = [], []
     done = torch.zeros(len(prompt_ids), dtype=torch.bool)
+    logits = step_logits(None)
     for step in range(params.max_new_tokens):
-        logp = sampling_logprobs(out.logits[:, -1], temperature=params.temperature,
-                                 top_k=params.top_k, top_p=params.top_p)
+        logp = sampling_logprobs(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
         tok, tok_logp = sample_with_uniforms(logp, row_uniforms(row_seeds, step))
         tok = tok.masked_fill(done, pad_id)
         tokens.append(tok)
         logps.append(tok_logp.float().masked_fill(done, 0.0))
         done = done | (tok == eos_id)
-        if bool(done.all()):
+        if bool(done.all()) or step + 1 == params.max_new_tokens:
             break
-        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
-        positions = positions[:, -1:] + 1
-        out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=positions,
-                    **{cache_kwarg: getattr(out, cache_kwarg)}, use_cache=True)
+        logits = step_logits(tok)
     return _unpad(torch.stack(tokens, 1), torch.stack(logps, 1), eos_id)
+
+
+def _stepper(model: PreTrainedModel, input_ids: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor,
+             max_new_tokens: int):
+    """A function giving the next-token logits [B, V]: of the prompt (called with None), then after
+    each sampled token. Dense Qwen2 models take the lean decoder (engines/qwen2_decode.py), others
+    transformers' forward with its KV cache."""
+    width = input_ids.shape[1]
+    if LeanQwen2.supports(model):
+        lean = LeanQwen2(model)
+        cache = lean.new_cache(len(input_ids), width + max_new_tokens, model.dtype)
+        keys = torch.zeros((len(input_ids), width + max_new_tokens), dtype=torch.bool)
+        keys[:, :width] = attn.bool()
+        at = {"len": 0, "pos": positions[:, -1:]}
+
+        def lean_step(tok):
+            if tok is None:
+                at["len"] = width
+                return lean.forward(input_ids, positions, cache, 0, keys)
+            keys[:, at["len"]] = True
+            at["pos"] = at["pos"] + 1
+            logits = lean.forward(tok[:, None], at["pos"], cache, at["len"], keys)
+            at["len"] += 1
+            return logits
+        return lean_step
+    state = {"attn": attn, "pos": positions, "out": None}
+    cache_kwarg = _cache_kwarg(model)
+
+    def hf_step(tok):
+        if tok is None:
+            state["out"] = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True)
+        else:
+            state["attn"] = torch.cat([state["attn"], torch.ones_like(state["attn"][:, :1])], dim=1)
+            state["pos"] = state["pos"][:, -1:] + 1
+            state["out"] = model(input_ids=tok[:, None], attention_mask=state["attn"], position_ids=state["pos"],
+                                 **{cache_kwarg: getattr(state["out"], cache_kwarg)}, use_cache=True)
+        return state["out"].logits[:, -1]
+    return hf_step
 
 
 def _cache_kwarg(model: PreTrainedModel) -> str:

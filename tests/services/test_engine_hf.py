@@ -84,3 +84,29 @@ def test_checksum_is_order_and_thread_independent():
     nudged = [("a", named[0][1].clone()), named[1]]
     nudged[0][1][500] = torch.nextafter(nudged[0][1][500], torch.tensor(10.0))  # one ulp
     assert param_noise.weights_checksum(nudged) != param_noise.weights_checksum(named)
+
+
+def test_the_lean_qwen2_decoder_gives_transformers_logits(tiny_dense_path):
+    from threepo.services.engines.qwen2_decode import LeanQwen2
+    from threepo.services.modeling import load_model
+
+    model = load_model(tiny_dense_path).eval()
+    assert LeanQwen2.supports(model)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])  # left padding in row 0
+    attn = (ids != 0).long()
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    lean = LeanQwen2(model)
+    cache = lean.new_cache(2, 8, torch.float32)
+    keys = torch.zeros(2, 8, dtype=torch.bool)
+    keys[:, :6] = attn.bool()
+    with torch.no_grad():
+        first = lean.forward(ids, positions, cache, 0, keys)
+        keys[:, 6] = True
+        nxt = torch.tensor([[20], [21]])
+        second = lean.forward(nxt, positions[:, -1:] + 1, cache, 6, keys)
+        full = torch.cat([ids, nxt], 1)
+        full_attn = torch.cat([attn, torch.ones(2, 1, dtype=torch.long)], 1)
+        reference = model(input_ids=full, attention_mask=full_attn,
+                          position_ids=(full_attn.cumsum(-1) - 1).clamp(min=0)).logits
+    torch.testing.assert_close(first, reference[:, -2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(second, reference[:, -1], atol=1e-5, rtol=1e-5)
