@@ -319,7 +319,8 @@ def start_sampler(cfg: RunConfig, policy_path: str, run_dir: str, index: int):
     and never restarted — when its node leaves, it is gone and the driver routes around it."""
     rt = cfg.runtime
     elastic = not rt.num_samplers
-    options = dict(num_cpus=rt.sampler_cpus, max_restarts=0 if elastic else -1, max_task_retries=0,
+    options = dict(num_cpus=rt.sampler_cpus, num_gpus=rt.sampler_gpus, max_restarts=0 if elastic else -1,
+                   max_task_retries=0,
                    runtime_env={"env_vars": ACTOR_ENV},
                    name=f"{os.path.basename(os.path.abspath(run_dir))}-sampler-{index}")
     if elastic:

@@ -72,6 +72,8 @@ class RuntimeConfig:
     """Elastic pool: seconds between looks at the cluster's sampler capacity."""
     sampler_cpus: float = 1.0
     """Ray CPUs per sampler actor (its torch threads follow)."""
+    sampler_gpus: float = 0.0
+    """Ray GPUs per sampler actor (vllm/sglang on CUDA: `sampler.tensor_parallel_size`; 0 = CPU)."""
     num_verifiers: int = 1
     """Verifier-pool actors (synchronous, so math-verify's SIGALRM timeouts work)."""
     verifier_cpus: float = 0.25
@@ -115,6 +117,8 @@ class RuntimeConfig:
         for name in ("steps", "prompts_per_step", "num_verifiers", "requests_per_call"):
             if getattr(self, name) < 1:
                 raise ValueError(f"runtime.{name}: expected >= 1, got {getattr(self, name)}")
+        if self.sampler_gpus < 0:
+            raise ValueError(f"runtime.sampler_gpus: expected >= 0, got {self.sampler_gpus}")
         if self.max_offpolicy < 0:
             raise ValueError(f"runtime.max_offpolicy: expected >= 0, got {self.max_offpolicy}")
         if not 0 <= self.metrics_port <= 65535:

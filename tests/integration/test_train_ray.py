@@ -113,7 +113,8 @@ def test_killing_a_sampler_mid_run_loses_and_duplicates_nothing(ray_session, tmp
 
 def test_a_sampler_that_dies_while_idle_serves_again_after_its_restart(ray_session, tmp_path, tiny_dense_path):
     # sync mode: when a step's row is written the samplers have nothing to do until the next step
-    cfg = _cfg(tmp_path, tiny_dense_path, "runtime.mode=sync", "runtime.steps=5", "sync.max_staleness=1")
+    cfg = _cfg(tmp_path, tiny_dense_path, "runtime.mode=sync", "runtime.steps=5", "sync.max_staleness=1",
+               "runtime.num_samplers=2")
     run_dir = make_run_dir(cfg, "train")
     thread, killed = _kill_when(run_dir, f"{os.path.basename(run_dir)}-sampler-1", 2)
     summary = train(cfg, run_dir, tiny_dense_path)
