@@ -1,5 +1,7 @@
 """HF engine tokens/s: batch sizes x torch threads in one process, then single-thread engines in
-separate processes side by side (the deployment layout: one sampler actor per core).
+separate processes side by side (the deployment layout: one sampler actor per core), then a C3PO
+step's sampling on one engine — `--slots` posterior samples × `--slot-rows` rows each — served one
+slot at a time (`serve` + `generate` per slot) against decoded together (`generate_slots`).
 
 Sampling is T=1 with max_new_tokens 16 (the default sampler config) on distinct train prompts of
 the default task; tokens are the generated completion tokens (a sequence stops at EOS). Each
@@ -35,6 +37,31 @@ def measure(engine, prompts: list, seconds: float, deadline: float | None = None
         now = time.perf_counter()
         if (time.time() >= deadline) if deadline else (now - start >= seconds):
             return tokens, now - start
+
+
+def slot_step(engine, prompts: list, slots: int, seconds: float, together: bool) -> tuple[int, float]:
+    """(generated tokens, elapsed seconds) of repeated C3PO steps: `slots` seeded slots of the held
+    version, each sampling `prompts` once, one slot at a time or all in one `generate_slots` call."""
+    from threepo.services.engines.hf import prompt_requests
+    from threepo.services.messages import NoiseSpec, SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, n=1)
+    tokens, calls, start = 0, 0, time.perf_counter()
+    while True:
+        groups = [(NoiseSpec(engine.version, seed=100 + s), prompt_requests(engine.tokenizer, prompts, 1, seed=calls))
+                  for s in range(slots)]
+        if together:
+            out = [samples for _, _, samples in engine.generate_slots(groups, params)]
+        else:
+            out = []
+            for noise, requests in groups:
+                engine.serve(noise)
+                out.append(engine.generate(requests, params))
+                engine.verify()
+        tokens += sum(len(s.token_ids) for group in out for per_prompt in group for s in per_prompt)
+        calls += 1
+        if time.perf_counter() - start >= seconds:
+            return tokens, time.perf_counter() - start
 
 
 def make_engine(model: str, threads: int, batch: int, engine_id: int = 0):
@@ -85,6 +112,8 @@ def main() -> None:
     p.add_argument("--pair-batch", type=int, default=64, help="batch size of the side-by-side engines "
                                                                 "(the default sampler.batch_size)")
     p.add_argument("--seconds", type=float, default=8.0, help="measuring time per configuration")
+    p.add_argument("--slots", type=int, default=4, help="C3PO slots per step (algo.n_slots)")
+    p.add_argument("--slot-rows", type=int, default=32, help="rows per slot per step (8 prompts x 16 / 4 slots)")
     args = p.parse_args()
     if args.quick:
         args.batches, args.seconds = [16, 64], 1.0
@@ -115,6 +144,28 @@ def main() -> None:
     if one:
         print(f"{args.processes} single-thread engines side by side: {aggregate:,.0f} tokens/s = "
               f"{aggregate / one['tokens_per_s']:.2f}x one engine at batch {args.pair_batch}")
+    import numpy as np
+
+    from threepo.algorithms.param_noise import weights_checksum
+
+    engine = make_engine(model, threads=1, batch=args.pair_batch)
+    mean = {n: p.detach().numpy().copy() for n, p in engine._params.items()}
+    engine.load_version(1, mean, {n: np.full(a.shape, 0.01, dtype=np.float32) for n, a in mean.items()},
+                        weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items()))
+    prompts = [it.prompt for it in _common.task_prompts(args.slot_rows)]
+    torch.set_num_threads(1)
+    slot_rows, rates = [], {}
+    for together in (False, True):
+        slot_step(engine, prompts, args.slots, 0.0, together)  # warm-up
+        tokens, elapsed = slot_step(engine, prompts, args.slots, args.seconds, together)
+        label = "decoded together" if together else "one slot at a time"
+        rates[label] = tokens / elapsed
+        slot_rows.append([label, args.slots, args.slot_rows, tokens, tokens / elapsed])
+    _common.table(f"C3PO step on one engine (batch {args.pair_batch}, 1 thread)",
+                  ["slots", "S", "rows/slot", "tokens", "tokens/s"], slot_rows)
+    ratio = rates["decoded together"] / rates["one slot at a time"]
+    print(f"slots decoded together: {ratio:.2f}x one slot at a time")
+    results["slots"] = {"slots": args.slots, "rows_per_slot": args.slot_rows, "tokens_per_s": rates, "ratio": ratio}
     _common.write_results("engine_throughput", {**results, "args": vars(args)})
 
 

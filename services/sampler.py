@@ -4,7 +4,9 @@ role 2).
 A Sampler holds one engine (services/engines/) and the posterior version it was last given. Calls are
 sequential, so a new version (`update`) takes effect at the next request boundary by construction.
 `generate` serves each (version, slot seed, σ multiplier) of a batch once — the engine regenerates the
-slot's noise locally from the seed and scales it — and samples all of that slot's prompts together. A call's completions come
+slot's noise locally from the seed and scales it — and samples all of that slot's prompts together;
+an engine with `generate_slots` (hf) takes a call's several slots at once and decodes them in shared
+forward passes, each row under its own slot's weights. A call's completions come
 back as one `CompletionBatch` (arrays, services/messages.py) carrying what the driver and learner need
 for exactly-once delivery, off-policy correction and the weight check: deterministic completion ids
 (request id / index, so a re-issued request yields the same ids), this engine's id and incarnation
@@ -97,13 +99,15 @@ class Sampler:
         prompts: list = [None] * len(requests)
         verified = [False] * len(requests)
         started = time.perf_counter()
-        for (seed, scale), indices in by_slot.items():
-            report = self._serve(NoiseSpec(self.version, seed, scale))
+        groups = [(NoiseSpec(self.version, seed, scale), [requests[i] for i in indices])
+                  for (seed, scale), indices in by_slot.items()]
+        if len(groups) > 1 and hasattr(self.engine, "generate_slots"):
+            results = self._sample_slots(groups)  # several slots decoded together
+        else:
+            results = [self._sample_served(noise, reqs) for noise, reqs in groups]
+        for indices, (report, unchanged, drawn) in zip(by_slot.values(), results):
             checksum = report.mean_checksum  # one version per call: every slot is built from one mean
-            drawn = self._sample([requests[i] for i in indices])
-            unchanged = self.engine.verify()  # the weights the samples came from are still those loaded
-            if not (report.loaded_ok and unchanged):
-                self._failed_check("load" if not report.loaded_ok else "changed")
+            if not self._check(report, unchanged):
                 self._serving = None  # load the slot afresh next time
             for i, (prompt, d) in zip(indices, drawn):
                 prompts[i], samples[i], verified[i] = prompt, d, report.loaded_ok and unchanged
@@ -150,21 +154,53 @@ class Sampler:
                         self.engine_id, report.version, 100 * report.noise_ratio, self.cfg.dtype,
                         self.cfg.min_noise_ratio)
 
-    def _sample(self, requests: list[RolloutRequest]) -> list[list]:
-        """Sample each request from a stream seeded by its id: a re-issued or resumed request draws
-        the same tokens whatever the engine did before and whatever shares its batch."""
+    def _params(self) -> SamplingParams:
         cfg = self.cfg
-        params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                max_new_tokens=cfg.max_new_tokens)
-        engine_requests = [EngineRequest(self.engine.encode(r.item.prompt), r.n, tensor_seed(cfg.seed, r.request_id))
-                           for r in requests]
+        return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                              max_new_tokens=cfg.max_new_tokens)
+
+    def _engine_requests(self, requests: list[RolloutRequest]) -> list[EngineRequest]:
+        """Each request samples from a stream seeded by its id: a re-issued or resumed request draws
+        the same tokens whatever the engine did before and whatever shares its batch."""
+        return [EngineRequest(self.engine.encode(r.item.prompt), r.n, tensor_seed(self.cfg.seed, r.request_id))
+                for r in requests]
+
+    def _sample_served(self, noise: NoiseSpec, requests: list[RolloutRequest]) -> tuple:
+        """(report, unchanged, [(prompt ids, samples)]): serve the slot, sample, re-check the weights."""
+        report = self._serve(noise)
+        engine_requests = self._engine_requests(requests)
         started = time.perf_counter()
-        samples = self.engine.generate(engine_requests, params)
+        samples = self.engine.generate(engine_requests, self._params())
         self._stats["generate_s"] += time.perf_counter() - started
+        self._check_counts(requests, samples)
+        unchanged = self.engine.verify()  # the weights the samples came from are still those loaded
+        return report, unchanged, [(er.prompt_ids, s) for er, s in zip(engine_requests, samples)]
+
+    def _sample_slots(self, groups: list[tuple[NoiseSpec, list[RolloutRequest]]]) -> list[tuple]:
+        """(report, unchanged, [(prompt ids, samples)]) per (slot, requests) group, every group in
+        one engine call (`generate_slots`: slots decoded together, what the engine serves untouched)."""
+        engine_groups = [(noise, self._engine_requests(reqs)) for noise, reqs in groups]
+        started = time.perf_counter()
+        results = self.engine.generate_slots(engine_groups, self._params())
+        self._stats["generate_s"] += time.perf_counter() - started
+        out = []
+        for (_, reqs), (_, ereqs), (report, unchanged, samples) in zip(groups, engine_groups, results):
+            self._check_counts(reqs, samples)
+            self._record_noise(report)
+            out.append((report, unchanged, [(er.prompt_ids, s) for er, s in zip(ereqs, samples)]))
+        return out
+
+    def _check_counts(self, requests: list[RolloutRequest], samples: list) -> None:
         if len(samples) != len(requests) or any(len(s) != r.n for s, r in zip(samples, requests)):
             raise RuntimeError(f"engine {self.engine_id} returned {[len(s) for s in samples]} samples for "
                                f"requests with n = {[r.n for r in requests]}")
-        return [(er.prompt_ids, s) for er, s in zip(engine_requests, samples)]
+
+    def _check(self, report: ServeReport, unchanged: bool) -> bool:
+        """Count a failed weight check; True when the slot's samples can be trusted."""
+        if report.loaded_ok and unchanged:
+            return True
+        self._failed_check("load" if not report.loaded_ok else "changed")
+        return False
 
     def _failed_check(self, reason: str) -> None:
         self._stats["weight_check_failures"] += 1

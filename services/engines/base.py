@@ -152,6 +152,11 @@ class Engine(Protocol):
     def verify(self) -> bool:
         """Are the served weights still exactly those `serve` loaded? (Cheap: no noise regenerated.)"""
 
+    # Optional (the Sampler uses it when present; hf has it):
+    # generate_slots(groups: [(NoiseSpec, [EngineRequest])], params) -> [(ServeReport, unchanged, samples)]
+    # samples each group under its own slot in shared forward passes, with each slot's weight check,
+    # leaving what `serve` serves untouched.
+
     def pause(self) -> None:
         """Stop scheduling new work until `resume` (engines whose `generate` is one blocking call
         are at a request boundary between calls, so this only records the state)."""

@@ -5,13 +5,15 @@ log-probs are exactly those of the sampling distribution (temperature, top-k, to
 algorithms/sampling.py) and nothing is hidden in `generate`'s logits processors. Each sampled row
 draws from the counter stream of its own request seed, so a request reproduces exactly whatever
 else is in the batch. Weights are served in place: the parameters' storage never changes, so the
-fingerprint check reads exactly what the forward pass uses.
+fingerprint check reads exactly what the forward pass uses. `generate_slots` samples several slots
+in shared forward passes instead (dense Qwen2): the lean decoder stacks the slots' θ̂ and decodes each
+row under its own slot, and its weight check fingerprints each slot's stacked tensors.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,11 +31,16 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
+_DECODERS_KEPT = 4  # multi-slot lean decoders an engine keeps per version (a C3PO call's slot sets recur)
+
+
 @torch.inference_mode()
 def sample_batch(model: PreTrainedModel, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int],
-                 params: SamplingParams, *, eos_id: int, pad_id: int) -> list[tuple[list[int], list[float], str]]:
+                 params: SamplingParams, *, eos_id: int, pad_id: int,
+                 lean: LeanQwen2 | None = None) -> list[tuple[list[int], list[float], str]]:
     """Sample one completion per prompt, row b drawing from the counter stream of `seeds[b]`.
-    Returns (token ids, behaviour log-probs, finish reason) per row."""
+    Returns (token ids, behaviour log-probs, finish reason) per row. `lean`: decode with this lean
+    decoder (its S weight slots take S equal consecutive groups of rows) instead of the model."""
     lengths = [len(p) for p in prompt_ids]
     width = max(lengths)
     input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
@@ -42,7 +49,7 @@ def sample_batch(model: PreTrainedModel, prompt_ids: Sequence[Sequence[int]], se
         input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
         attn[row, width - len(ids):] = 1
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
-    step_logits = _stepper(model, input_ids, attn, positions, params.max_new_tokens)
+    step_logits = _stepper(model, input_ids, attn, positions, params.max_new_tokens, lean)
     row_seeds = np.array(seeds, dtype=np.uint64)
     tokens, logps = [], []
     done = torch.zeros(len(prompt_ids), dtype=torch.bool)
@@ -61,13 +68,13 @@ def sample_batch(model: PreTrainedModel, prompt_ids: Sequence[Sequence[int]], se
 
 
 def _stepper(model: PreTrainedModel, input_ids: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor,
-             max_new_tokens: int):
+             max_new_tokens: int, lean: LeanQwen2 | None = None):
     """A function giving the next-token logits [B, V]: of the prompt (called with None), then after
-    each sampled token. Dense Qwen2 models take the lean decoder (engines/qwen2_decode.py), others
-    transformers' forward with its KV cache."""
+    each sampled token. Dense Qwen2 models take the lean decoder (engines/qwen2_decode.py; `lean`
+    if given), others transformers' forward with its KV cache."""
     width = input_ids.shape[1]
-    if LeanQwen2.supports(model):
-        lean = LeanQwen2(model)
+    if lean is not None or LeanQwen2.supports(model):
+        lean = lean or LeanQwen2(model)
         cache = lean.new_cache(len(input_ids), width + max_new_tokens, model.dtype)
         keys = torch.zeros((len(input_ids), width + max_new_tokens), dtype=torch.bool)
         keys[:, :width] = attn.bool()
@@ -123,6 +130,39 @@ def generate(model: PreTrainedModel, tokenizer, requests: Sequence[EngineRequest
         chunk = flat[start:start + batch_size]
         raw += sample_batch(model, [p for p, _ in chunk], [s for _, s in chunk], params,
                             eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+    return _per_request(tokenizer, requests, raw)
+
+
+def generate_slots(model: PreTrainedModel, tokenizer, groups: Sequence[Sequence[EngineRequest]],
+                   decoder: Callable[[tuple[int, ...]], LeanQwen2], params: SamplingParams, *,
+                   batch_size: int) -> list[list[list[GeneratedSample]]]:
+    """`r.n` samples per request of each group g, group g sampled under weight slot g, in forward
+    passes of at most `batch_size` rows that decode several slots together: each group's rows are
+    cut into pieces of at most `batch_size`, pieces are packed into passes of S slots × b rows
+    (S·b ≤ batch_size, b the pass's longest piece; shorter pieces are padded with copies of their
+    first row, whose samples are dropped), and `decoder(slots)` gives the lean decoder of those
+    slots (the groups' indices)."""
+    flat = [[(r.prompt_ids, r.seed + j) for r in reqs for j in range(r.n)] for reqs in groups]
+    pieces = [(g, k, rows[k:k + batch_size]) for g, rows in enumerate(flat) for k in range(0, len(rows), batch_size)]
+    passes: list[list] = []
+    for piece in pieces:
+        if passes and (len(passes[-1]) + 1) * max(len(piece[2]), *(len(p[2]) for p in passes[-1])) <= batch_size:
+            passes[-1].append(piece)
+        else:
+            passes.append([piece])
+    raw: list[list] = [[None] * len(rows) for rows in flat]
+    for chunk in passes:
+        b = max(len(rows) for _, _, rows in chunk)
+        padded = [rows + [rows[0]] * (b - len(rows)) for _, _, rows in chunk]
+        out = sample_batch(model, [p for rows in padded for p, _ in rows], [s for rows in padded for _, s in rows],
+                           params, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                           lean=decoder(tuple(g for g, _, _ in chunk)))
+        for i, (g, k, rows) in enumerate(chunk):
+            raw[g][k:k + len(rows)] = out[i * b:i * b + len(rows)]
+    return [_per_request(tokenizer, reqs, rows) for reqs, rows in zip(groups, raw)]
+
+
+def _per_request(tokenizer, requests: Sequence[EngineRequest], raw: list) -> list[list[GeneratedSample]]:
     samples = [GeneratedSample(token_ids=tuple(toks), logprobs=tuple(lps), finish_reason=finish,
                                text=tokenizer.decode(toks, skip_special_tokens=True))
                for toks, lps, finish in raw]
@@ -160,7 +200,8 @@ class HFEngine:
         self._params = dict(trainable_named_parameters(self.model))
         self._mean = {n: p.detach().float().clone() for n, p in self._params.items()}
         self._sigma: dict[str, torch.Tensor] | None = None
-        self._slots: dict[tuple, tuple[dict[str, torch.Tensor], float]] = {}  # (seed, scale) -> served θ̂, noise ratio
+        self._slots: dict[tuple, tuple] = {}  # (seed, scale) -> served θ̂, noise ratio, fingerprint
+        self._decoders: dict[tuple, tuple] = {}  # slots' keys -> lean decoder of their stacked θ̂, load checks
         self.version, self.mean_checksum = 0, param_noise.weights_checksum(self._mean.items())
         self.paused = False
         self.report = self.serve(NoiseSpec(posterior_version=0, seed=None))
@@ -179,9 +220,22 @@ class HFEngine:
         self._sigma = None if sigma is None else {
             n: torch.from_numpy(np.array(sigma[n], dtype=np.float32)) for n in self._params}
         self._slots.clear()
+        self._decoders.clear()
         self.serve(NoiseSpec(posterior_version=version, seed=None))
 
     def serve(self, noise: NoiseSpec) -> ServeReport:
+        served, ratio, _ = self._slot(noise)
+        with torch.no_grad():
+            for name, p in self._params.items():
+                p.copy_(served[name])  # in place: never rebind storage, never subtract noise
+        self._fingerprint = param_noise.value_fingerprint(served.values())
+        loaded_ok = self.verify()
+        self.report = ServeReport(self.version, noise.seed, self.mean_checksum, loaded_ok, ratio, scale=noise.scale)
+        return self.report
+
+    def _slot(self, noise: NoiseSpec) -> tuple[dict[str, torch.Tensor], float, tuple[int, int]]:
+        """Slot `noise`'s served weights θ̂ (in the served dtype), its served-noise ratio and the
+        fingerprint of every tensor it is decoded with (θ̂ and the model's frozen parameters)."""
         if noise.posterior_version != self.version:
             raise ValueError(f"engine {self.engine_id} holds version {self.version}, asked to serve "
                              f"{noise.posterior_version}: load_version first")
@@ -190,22 +244,59 @@ class HFEngine:
                              f"{self.version} was published without one")
         key = (noise.seed, noise.scale)
         if key in self._slots:
-            served, ratio = self._slots[key]
-        else:
-            theta = param_noise.perturbed_state(self._mean, self._sigma or {}, noise.seed, noise.scale)
-            served = {n: t.to(self.dtype) for n, t in theta.items()}
-            parts = [param_noise.served_noise_ratio(self._mean[n], theta[n], self.dtype) for n in theta]
-            intended = sum(b for _, b in parts)
-            ratio = (sum(a for a, _ in parts) / intended) ** 0.5 if intended else 1.0
-            if noise.seed is not None and len(self._slots) < self.cfg.slot_cache:
-                self._slots[key] = (served, ratio)
-        with torch.no_grad():
-            for name, p in self._params.items():
-                p.copy_(served[name])  # in place: never rebind storage, never subtract noise
-        self._fingerprint = param_noise.value_fingerprint(served.values())
-        loaded_ok = self.verify()
-        self.report = ServeReport(self.version, noise.seed, self.mean_checksum, loaded_ok, ratio, scale=noise.scale)
-        return self.report
+            return self._slots[key]
+        theta = param_noise.perturbed_state(self._mean, self._sigma or {}, noise.seed, noise.scale)
+        served = {n: t.to(self.dtype) for n, t in theta.items()}
+        parts = [param_noise.served_noise_ratio(self._mean[n], theta[n], self.dtype) for n in theta]
+        intended = sum(b for _, b in parts)
+        ratio = (sum(a for a, _ in parts) / intended) ** 0.5 if intended else 1.0
+        frozen = [p for n, p in self.model.named_parameters() if n not in served]
+        entry = (served, ratio, param_noise.value_fingerprint([*served.values(), *frozen]))
+        if noise.seed is not None and len(self._slots) < self.cfg.slot_cache:
+            self._slots[key] = entry
+        return entry
+
+    def generate_slots(self, groups: Sequence[tuple[NoiseSpec, Sequence[EngineRequest]]],
+                       params: SamplingParams) -> list[tuple[ServeReport, bool, list[list[GeneratedSample]]]]:
+        """Sample each (slot, requests) group under its own slot in shared forward passes (dense
+        Qwen2: several slots per pass through the lean decoder's stacked weights; other models: one
+        `serve` and `generate` per group). Per group: the `ServeReport` that `serve` would give (its
+        weight check compares the stacked weights with θ̂), whether they were unchanged after
+        sampling, and the samples. The model's own weights are left as they were."""
+        if self.paused:
+            raise RuntimeError(f"engine {self.engine_id} is paused: resume() before generate")
+        if not LeanQwen2.supports(self.model):
+            out = []
+            for noise, requests in groups:
+                report = self.serve(noise)
+                out.append((report, self.verify(), self.generate(requests, params)))
+            return out
+        slots = [self._slot(noise) for noise, _ in groups]
+        keys = [(noise.seed, noise.scale) for noise, _ in groups]
+        used: dict[tuple[int, ...], tuple] = {}  # a pass's group indices -> its decoder, load checks
+
+        def decoder(indices: tuple[int, ...]) -> LeanQwen2:
+            key = tuple(keys[i] for i in indices)
+            if key not in self._decoders:
+                while len(self._decoders) >= _DECODERS_KEPT:
+                    self._decoders.pop(next(iter(self._decoders)))
+                lean = LeanQwen2(self.model, [slots[i][0] for i in indices])
+                self._decoders[key] = (lean, [param_noise.value_fingerprint(lean.slot_tensors(k)) == slots[i][2]
+                                              for k, i in enumerate(indices)])
+            used[indices] = self._decoders[key]
+            return used[indices][0]
+
+        samples = generate_slots(self.model, self.tokenizer, [r for _, r in groups], decoder, params,
+                                 batch_size=self.cfg.batch_size)
+        loaded, unchanged = [True] * len(groups), [True] * len(groups)
+        for indices, (lean, checked) in used.items():  # every decoder a group's rows came from
+            for k, i in enumerate(indices):
+                loaded[i] = loaded[i] and checked[k]
+                unchanged[i] = unchanged[i] and param_noise.value_fingerprint(lean.slot_tensors(k)) == slots[i][2]
+            if not all(loaded[i] and unchanged[i] for i in indices):
+                self._decoders.pop(tuple(keys[i] for i in indices), None)  # rebuilt afresh next time
+        return [(ServeReport(self.version, noise.seed, self.mean_checksum, loaded[i], slots[i][1], scale=noise.scale),
+                 unchanged[i], samples[i]) for i, (noise, _) in enumerate(groups)]
 
     def encode(self, prompt: str) -> tuple[int, ...]:
         return tuple(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])

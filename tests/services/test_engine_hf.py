@@ -110,3 +110,39 @@ def test_the_lean_qwen2_decoder_gives_transformers_logits(tiny_dense_path):
                           position_ids=(full_attn.cumsum(-1) - 1).clamp(min=0)).logits
     torch.testing.assert_close(first, reference[:, -2], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(second, reference[:, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_slots_decoded_together_sample_as_each_slot_served_alone(tiny_dense_path):
+    engine = HFEngine(tiny_dense_path, SamplerConfig(batch_size=8, seed=3))
+    engine.load_version(4, *_posterior(engine))
+    params = SamplingParams(max_new_tokens=8)
+    groups = [(NoiseSpec(4, seed=11), [EngineRequest((5, 6, 7), 3, seed=1), EngineRequest((9,), 2, seed=2)]),
+              (NoiseSpec(4, seed=12), [EngineRequest((3, 4), 4, seed=3)]),
+              (NoiseSpec(4, seed=11, scale=2.0), [EngineRequest((8, 8, 8, 8), 1, seed=4)]),
+              (NoiseSpec(4, seed=None), [EngineRequest((5, 6, 7), 2, seed=1)])]
+    served_before = param_noise.weights_checksum(engine._params.items())
+    together = engine.generate_slots(groups, params)  # passes of 5 | 4 + 1 (padded to 4) | 2 rows
+    assert param_noise.weights_checksum(engine._params.items()) == served_before  # the model is untouched
+    for (noise, requests), (report, unchanged, samples) in zip(groups, together):
+        alone_report = engine.serve(noise)
+        alone = engine.generate(requests, params)
+        assert report == alone_report and report.loaded_ok and unchanged
+        assert [[s.token_ids for s in r] for r in samples] == [[s.token_ids for s in r] for r in alone]
+        for got, want in zip(samples, alone):
+            np.testing.assert_allclose([s.logprobs for s in got], [s.logprobs for s in want], atol=1e-5)
+    # the slots are different policies: the same request and stream draw differently under each
+    assert together[0][2][0][0].logprobs != together[3][2][0][0].logprobs
+
+
+def test_stacked_slot_weights_corrupted_are_flagged_then_rebuilt(tiny_dense_path):
+    engine = HFEngine(tiny_dense_path, SamplerConfig(batch_size=8, seed=3))
+    engine.load_version(1, *_posterior(engine))
+    params = SamplingParams(max_new_tokens=4)
+    groups = [(NoiseSpec(1, seed=s), [EngineRequest((5, 6), 2, seed=s)]) for s in (21, 22)]
+    assert all(r.loaded_ok and unchanged for r, unchanged, _ in engine.generate_slots(groups, params))
+    (lean, _), = engine._decoders.values()
+    with torch.no_grad():
+        lean.layers[1]["down_w"][1].view(-1)[7] += 1e-3  # a stray write into slot 22's stacked weights
+    first, second = engine.generate_slots(groups, params)
+    assert first[0].loaded_ok and first[1] and second[0].loaded_ok and not second[1]
+    assert all(r.loaded_ok and unchanged for r, unchanged, _ in engine.generate_slots(groups, params))

@@ -245,3 +245,21 @@ def test_noise_lost_to_bf16_is_measured_and_warned_about(tiny_dense_path, caplog
     fp32.update(1, mean, tiny_sigma, checksum)
     _gen(fp32, [RolloutRequest("g/s0", "g", item, 1, 0, 77, 1)])
     assert fp32.stats()["noise_ratio"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_an_engine_with_generate_slots_decodes_a_calls_slots_together_with_the_same_draws(setup, hf_engine):
+    counting, engine, server = setup  # CountingEngine has no generate_slots: one serve and generate per slot
+    plan = server.plan(1)
+    requests = _requests(plan, [0, 2, 1])
+    one_by_one = _gen(counting, requests)
+    together = Sampler(hf_engine, engine_id=7, cfg=CFG)
+    together.update(1, *server.weights(1))
+    serves_before = together.stats()["serves"]
+    joint = _gen(together, requests)
+    assert together.stats()["serves"] == serves_before  # no slot was copied into the model
+    assert [c.completion_id for c in joint] == [c.completion_id for c in one_by_one]
+    assert [c.token_ids for c in joint] == [c.token_ids for c in one_by_one]
+    for a, b in zip(joint, one_by_one):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        assert a.weights_verified and a.mean_checksum == server.mean_checksum(1)
+    assert together.stats()["noise_ratio"] == pytest.approx(1.0, abs=1e-3)
