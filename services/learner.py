@@ -37,7 +37,7 @@ from threepo.services.learner_ranks import Ranks, SingleRank
 from threepo.services.batching import MALFORMED, TrainBatch, collate
 from threepo.services.messages import CompletionBatch, GroupRows, PublishedVersion, ScoreBatch
 from threepo.services.modeling import load_model, trainable_named_parameters
-from threepo.services.prefix_forward import shared_prefix_logits, whole_groups
+from threepo.services.prefix_forward import prompt_runs, shared_prefix_logits
 from threepo.services.proximal import StartLogprobs, drift_sample
 from threepo.services.vp2o_hooks import VP2OConfig, VP2OHooks
 
@@ -215,11 +215,11 @@ class Learner:
         return losses.token_logprobs(logits[:, :-1], batch.targets[rows], self.temperature)
 
     def _logits(self, model, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
-        """[len(rows), L, V]: a plain forward, or with each group's prompt computed once when the
-        rows are whole groups (services/prefix_forward.py; equal at every completion position)."""
-        size = batch.rewards.shape[1]
-        if self.shared_prefix and whole_groups(rows, size):
-            return shared_prefix_logits(model, batch.input_ids[rows], batch.mask[rows], size)
+        """[len(rows), L, V]: a plain forward, or with each prompt computed once when the rows come
+        in runs sharing one (services/prefix_forward.py; equal at every completion position)."""
+        run = prompt_runs(rows, batch.rewards.shape[1]) if self.shared_prefix else 0
+        if run > 1:
+            return shared_prefix_logits(model, batch.input_ids[rows], batch.mask[rows], run)
         return model(input_ids=batch.input_ids[rows], attention_mask=batch.attn[rows]).logits
 
     def _backward(self, batch: TrainBatch, rows: torch.Tensor, advantages: torch.Tensor,

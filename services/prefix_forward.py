@@ -9,8 +9,9 @@ is unchanged. The gradient reaches the prompt's positions through the repeated c
 the group's rows — the same gradient as the plain forward's. On the embedded default (prompts about
 as long as completions) it halves the learner's FLOPs.
 
-Only rows that come in whole groups sharing one prompt can use it (the learner's batches do); a
-mixture-of-experts model with VP2O's routing hooks keeps the plain forward (the hooks count tokens).
+Rows that come in runs sharing one prompt can use it: the learner's whole groups, and the drift
+diagnostic's rows of one C3PO slot (that slot's rollouts of each group); a mixture-of-experts model
+with VP2O's routing hooks keeps the plain forward (the hooks count tokens).
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ def prompt_spans(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return first + 1, n
 
 
-def whole_groups(rows: torch.Tensor, group_size: int) -> bool:
-    """Are `rows` (indices into a batch ordered by group) whole, consecutive groups of `group_size`?"""
-    if not len(rows) or len(rows) % group_size:
-        return False
-    starts = rows.view(-1, group_size)[:, :1]
-    return bool((starts % group_size == 0).all()) and bool(
-        (rows.view(-1, group_size) == starts + torch.arange(group_size)).all())
+def prompt_runs(rows: torch.Tensor, group_size: int) -> int:
+    """k when `rows` (indices into a batch ordered by groups of `group_size`) come in consecutive
+    runs of k rows of one group each — k rows sharing a prompt, e.g. whole groups (k = group_size)
+    or one C3PO slot's rollouts of every group — and 0 when they do not."""
+    if not len(rows):
+        return 0
+    _, counts = torch.unique_consecutive(torch.div(rows, group_size, rounding_mode="floor"), return_counts=True)
+    return int(counts[0]) if bool((counts == counts[0]).all()) else 0
 
 
 def shared_prefix_logits(model, input_ids: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -318,3 +318,18 @@ def test_every_correction_takes_a_step(sampler, tiny_dense_path, is_correction):
     learner = _learner(tiny_dense_path, is_correction=is_correction)
     result = _step(learner, _groups(sampler, learner, "c3po", 4, 8))
     assert result.metrics["updates"] == 1 and math.isfinite(result.metrics["loss"])
+
+
+def test_a_c3po_step_with_shared_prefixes_equals_the_plain_forwards(sampler, tiny_dense_path):
+    # the update's whole groups and the drift diagnostic's one-slot rows (runs of 2 per group) both
+    # take the shared-prefix forward; every figure and the new mean equal the plain forwards'
+    plain, shared = (Learner(tiny_dense_path, AlgoConfig(exploration="c3po", n_slots=4, group_size=8), OptimConfig(),
+                             SyncConfig(max_staleness=2), temperature=1.0, max_new_tokens=10, shared_prefix=flag)
+                     for flag in (False, True))
+    groups = _groups(sampler, plain, "c3po", 4, 8)
+    a, b = _step(plain, groups), _step(shared, groups)
+    for key in ("loss", "kl_k3", "kl_k3_drift", "ess_frac_drift", "is_weight_mean"):
+        assert b.metrics[key] == pytest.approx(a.metrics[key], rel=1e-4, abs=1e-7), key
+    assert a.metrics["kl_k3_drift"] > 0  # the drift diagnostic measured something
+    for name, m in _means(plain).items():
+        torch.testing.assert_close(_means(shared)[name], m, atol=1e-6, rtol=1e-5)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from threepo.services.modeling import load_model
-from threepo.services.prefix_forward import shared_prefix_logits, whole_groups
+from threepo.services.prefix_forward import prompt_runs, shared_prefix_logits
 
 
 def _batch(group_size=4, groups=3, seed=1):
@@ -44,9 +44,12 @@ def test_logits_and_gradients_equal_the_plain_forward(tiny_dense_path):
         torch.testing.assert_close(g_shared[name], g_plain[name], atol=1e-4, rtol=1e-4)
 
 
-def test_only_whole_groups_with_one_prompt_share_it(tiny_dense_path):
-    assert whole_groups(torch.arange(8), 4) and whole_groups(torch.arange(4, 12), 4)
-    assert not whole_groups(torch.tensor([0, 1, 2, 4]), 4) and not whole_groups(torch.arange(2, 6), 4)
+def test_only_runs_of_rows_with_one_prompt_share_it(tiny_dense_path):
+    assert prompt_runs(torch.arange(8), 4) == 4 and prompt_runs(torch.arange(4, 12), 4) == 4
+    # one C3PO slot's rollouts of each group (slot 1 of 4, 2 rows each, groups of 8)
+    assert prompt_runs(torch.tensor([2, 3, 10, 11, 18, 19]), 8) == 2
+    assert prompt_runs(torch.tensor([0, 1, 2, 4]), 4) == 0 and prompt_runs(torch.arange(2, 6), 4) == 2
+    assert prompt_runs(torch.tensor([0, 1, 4]), 4) == 0 and prompt_runs(torch.tensor([], dtype=torch.long), 4) == 0
     ids, _, mask = _batch(group_size=2, groups=2)
     mask = mask.clone()
     mask[1] = torch.roll(mask[1], 1)  # row 1 claims a longer prompt than row 0 of its group
