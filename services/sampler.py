@@ -5,7 +5,7 @@ A Sampler holds one engine (services/engines/) and the posterior version it was 
 sequential, so a new version (`update`) takes effect at the next request boundary by construction.
 `generate` serves each (version, slot seed, σ multiplier) of a batch once — the engine regenerates the
 slot's noise locally from the seed and scales it — and samples all of that slot's prompts together;
-an engine with `generate_slots` (hf) takes a call's several slots at once and decodes them in shared
+an engine with `slots_together` (hf on dense Qwen2) takes a call's several slots at once and decodes them in shared
 forward passes, each row under its own slot's weights. A call's completions come
 back as one `CompletionBatch` (arrays, services/messages.py) carrying what the driver and learner need
 for exactly-once delivery, off-policy correction and the weight check: deterministic completion ids
@@ -101,7 +101,7 @@ class Sampler:
         started = time.perf_counter()
         groups = [(NoiseSpec(self.version, seed, scale), [requests[i] for i in indices])
                   for (seed, scale), indices in by_slot.items()]
-        if len(groups) > 1 and hasattr(self.engine, "generate_slots"):
+        if len(groups) > 1 and getattr(self.engine, "slots_together", False):
             results = self._sample_slots(groups)  # several slots decoded together
         else:
             results = [self._sample_served(noise, reqs) for noise, reqs in groups]

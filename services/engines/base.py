@@ -152,7 +152,7 @@ class Engine(Protocol):
     def verify(self) -> bool:
         """Are the served weights still exactly those `serve` loaded? (Cheap: no noise regenerated.)"""
 
-    # Optional (the Sampler uses it when present; hf has it):
+    # Optional (the Sampler uses it where the engine's `slots_together` is true; hf on dense Qwen2):
     # generate_slots(groups: [(NoiseSpec, [EngineRequest])], params) -> [(ServeReport, unchanged, samples)]
     # samples each group under its own slot in shared forward passes, with each slot's weight check,
     # leaving what `serve` serves untouched.

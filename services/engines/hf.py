@@ -224,11 +224,10 @@ class HFEngine:
         self.serve(NoiseSpec(posterior_version=version, seed=None))
 
     def serve(self, noise: NoiseSpec) -> ServeReport:
-        served, ratio, _ = self._slot(noise)
+        served, ratio, self._fingerprint = self._slot(noise)
         with torch.no_grad():
             for name, p in self._params.items():
                 p.copy_(served[name])  # in place: never rebind storage, never subtract noise
-        self._fingerprint = param_noise.value_fingerprint(served.values())
         loaded_ok = self.verify()
         self.report = ServeReport(self.version, noise.seed, self.mean_checksum, loaded_ok, ratio, scale=noise.scale)
         return self.report
@@ -258,19 +257,15 @@ class HFEngine:
 
     def generate_slots(self, groups: Sequence[tuple[NoiseSpec, Sequence[EngineRequest]]],
                        params: SamplingParams) -> list[tuple[ServeReport, bool, list[list[GeneratedSample]]]]:
-        """Sample each (slot, requests) group under its own slot in shared forward passes (dense
-        Qwen2: several slots per pass through the lean decoder's stacked weights; other models: one
-        `serve` and `generate` per group). Per group: the `ServeReport` that `serve` would give (its
+        """Sample each (slot, requests) group under its own slot in shared forward passes (several
+        slots per pass through the lean decoder's stacked weights). Per group: the `ServeReport` that `serve` would give (its
         weight check compares the stacked weights with θ̂), whether they were unchanged after
-        sampling, and the samples. The model's own weights are left as they were."""
-        if self.paused:
-            raise RuntimeError(f"engine {self.engine_id} is paused: resume() before generate")
-        if not LeanQwen2.supports(self.model):
-            out = []
-            for noise, requests in groups:
-                report = self.serve(noise)
-                out.append((report, self.verify(), self.generate(requests, params)))
-            return out
+        sampling, and the samples. The model's own weights are left as they were. Only where
+        `slots_together` (dense Qwen2)."""
+        self._check_running()
+        if not self.slots_together:
+            raise ValueError(f"engine {self.engine_id}: {type(self.model).__name__} has no lean decoder to "
+                             "decode several slots together; serve and generate them one at a time")
         slots = [self._slot(noise) for noise, _ in groups]
         keys = [(noise.seed, noise.scale) for noise, _ in groups]
         used: dict[tuple[int, ...], tuple] = {}  # a pass's group indices -> its decoder, load checks
@@ -301,13 +296,22 @@ class HFEngine:
     def encode(self, prompt: str) -> tuple[int, ...]:
         return tuple(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
-    def generate(self, requests: Sequence[EngineRequest], params: SamplingParams) -> list[list[GeneratedSample]]:
+    @property
+    def slots_together(self) -> bool:
+        """Can `generate_slots` decode several slots in shared passes (the lean decoder applies)?"""
+        return LeanQwen2.supports(self.model)
+
+    def _check_running(self) -> None:
         if self.paused:
             raise RuntimeError(f"engine {self.engine_id} is paused: resume() before generate")
+
+    def generate(self, requests: Sequence[EngineRequest], params: SamplingParams) -> list[list[GeneratedSample]]:
+        self._check_running()
         return generate(self.model, self.tokenizer, requests, params, batch_size=self.cfg.batch_size)
 
     def verify(self) -> bool:
-        return param_noise.value_fingerprint(self._params.values()) == self._fingerprint
+        """The model's weights (θ̂ and the frozen ones) against the fingerprint of what was served."""
+        return param_noise.value_fingerprint(self.model.parameters()) == self._fingerprint
 
     def pause(self) -> None:
         self.paused = True

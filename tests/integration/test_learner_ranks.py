@@ -230,12 +230,7 @@ def test_two_rank_training_is_the_one_learner_run_with_exact_records(ray_session
 
 
 def test_a_killed_rank_is_restored_with_its_group_from_the_latest_checkpoint(ray_session, tmp_path, tiny_dense_path):
-    from test_train_ray import _exact, _kill_when
+    from test_train_ray import _killed_and_restored
 
     cfg = _train_cfg(tmp_path, tiny_dense_path, "runtime.steps=6", "runtime.checkpoint_every=2", "learner.ranks=2")
-    run_dir = make_run_dir(cfg, "train")
-    thread, killed = _kill_when(run_dir, f"{os.path.basename(run_dir)}-learner-rank1", 3, also_restart=False)
-    summary = train(cfg, run_dir, tiny_dense_path)
-    thread.join()
-    assert killed
-    _exact(run_dir, summary, 6, 2 * 8)  # the steps after the checkpoint were redone, not recorded twice
+    _killed_and_restored(cfg, tiny_dense_path, "learner-rank1")

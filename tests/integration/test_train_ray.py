@@ -124,14 +124,20 @@ def test_a_sampler_that_dies_while_idle_serves_again_after_its_restart(ray_sessi
     assert summary["rejected_weights"] == 0 and rows[-1]["version"] >= 3  # the restarted sampler took new versions
 
 
-def test_a_dead_learner_is_restored_from_the_latest_checkpoint(ray_session, tmp_path, tiny_dense_path):
-    cfg = _cfg(tmp_path, tiny_dense_path, "runtime.steps=6", "runtime.checkpoint_every=2")
+def _killed_and_restored(cfg, model_path: str, actor: str) -> None:
+    """A 6-step run (checkpoint every 2) whose actor `<run>-<actor>` is killed at step 3 for good:
+    the run completes, the steps after the checkpoint redone and recorded exactly once."""
     run_dir = make_run_dir(cfg, "train")
-    thread, killed = _kill_when(run_dir, f"{os.path.basename(run_dir)}-learner", 3, also_restart=False)
-    summary = train(cfg, run_dir, tiny_dense_path)
+    thread, killed = _kill_when(run_dir, f"{os.path.basename(run_dir)}-{actor}", 3, also_restart=False)
+    summary = train(cfg, run_dir, model_path)
     thread.join()
     assert killed
     _exact(run_dir, summary, 6, 2 * 8)  # the steps after the checkpoint were redone, not recorded twice
+
+
+def test_a_dead_learner_is_restored_from_the_latest_checkpoint(ray_session, tmp_path, tiny_dense_path):
+    cfg = _cfg(tmp_path, tiny_dense_path, "runtime.steps=6", "runtime.checkpoint_every=2")
+    _killed_and_restored(cfg, tiny_dense_path, "learner")
 
 
 class DyingVerifier:

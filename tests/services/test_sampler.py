@@ -248,7 +248,7 @@ def test_noise_lost_to_bf16_is_measured_and_warned_about(tiny_dense_path, caplog
 
 
 def test_an_engine_with_generate_slots_decodes_a_calls_slots_together_with_the_same_draws(setup, hf_engine):
-    counting, engine, server = setup  # CountingEngine has no generate_slots: one serve and generate per slot
+    counting, engine, server = setup  # CountingEngine has no slots_together: one serve and generate per slot
     plan = server.plan(1)
     requests = _requests(plan, [0, 2, 1])
     one_by_one = _gen(counting, requests)
