@@ -258,10 +258,10 @@ class HFEngine:
     def generate_slots(self, groups: Sequence[tuple[NoiseSpec, Sequence[EngineRequest]]],
                        params: SamplingParams) -> list[tuple[ServeReport, bool, list[list[GeneratedSample]]]]:
         """Sample each (slot, requests) group under its own slot in shared forward passes (several
-        slots per pass through the lean decoder's stacked weights). Per group: the `ServeReport` that `serve` would give (its
-        weight check compares the stacked weights with θ̂), whether they were unchanged after
-        sampling, and the samples. The model's own weights are left as they were. Only where
-        `slots_together` (dense Qwen2)."""
+        slots per pass through the lean decoder's stacked weights). Per group: the `ServeReport`
+        that `serve` would give (its weight check compares the stacked weights with θ̂), whether
+        they were unchanged after sampling, and the samples. The model's own weights are left as
+        they were. Only where `slots_together` (dense Qwen2)."""
         self._check_running()
         if not self.slots_together:
             raise ValueError(f"engine {self.engine_id}: {type(self.model).__name__} has no lean decoder to "
