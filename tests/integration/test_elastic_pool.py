@@ -85,4 +85,6 @@ def test_a_sampler_node_joins_and_leaves_mid_run(tmp_path, tiny_dense_path):
     print(f"elastic pool: sampler served {served_after:.1f} s after its node started; rollouts/s with one "
           f"node {rate(5, both[0] - 1):.0f}, with two {rate(both[0] + 2, both[-1]):.0f}, after it left "
           f"{rate(both[-1] + 3, len(rows) - 1):.0f}")
-    assert any(r.get("tokens_per_s/engine0", 0) > 0 for r in rows[-3:])  # the first node carried on alone
+    # the first node carried on alone (in any step after the other left: the last steps of an async
+    # run may generate nothing, their rollouts were made ahead within the staleness bound)
+    assert any(r.get("tokens_per_s/engine0", 0) > 0 for r in rows[both[-1] + 1:])
