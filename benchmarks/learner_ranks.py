@@ -68,7 +68,7 @@ def measure(learner, inputs, steps: int) -> dict:
     inner, wall, publish = [], [], []
     for _ in range(steps):
         started = time.perf_counter()
-        result = ray.get(learner.step.remote(groups, 1, *batches, *scores))
+        result, _ = ray.get(learner.step.remote(groups, 1, *batches, *scores))
         wall.append(time.perf_counter() - started)
         inner.append(result.metrics["step_time_s"])
         started = time.perf_counter()

@@ -159,6 +159,51 @@ class VerifierActor:
         return self.pool.stats()
 
 
+class LogWriter:
+    """The learner's rollout log, written by a thread of its own: a step only queues its consumed
+    groups (their rows still point into the step's arrays); turning them into records, encoding
+    and appending happen behind the next step. `size()` waits for everything queued (a checkpoint
+    records it); a write that failed is raised by the next `put` or `size`."""
+
+    def __init__(self, log) -> None:
+        import queue
+        import threading
+
+        self.log, self.queue, self.error = log, queue.Queue(), None
+        threading.Thread(target=self._run, name="rollout-log", daemon=True).start()
+
+    def put(self, groups, batches, scores, step: int) -> None:
+        self._raise()
+        self.queue.put((groups, batches, scores, step))
+
+    def size(self) -> int:
+        self.queue.join()
+        self._raise()
+        return self.log.size()
+
+    def close(self) -> None:
+        self.size()
+        self.log.close()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"rollout log {self.log.path}: {self.error}") from self.error
+
+    def _run(self) -> None:
+        from threepo.services.batching import group_records
+
+        while True:
+            groups, batches, scores, step = self.queue.get()
+            try:
+                if self.error is None:
+                    for record in group_records(groups, batches, scores, step):
+                        self.log.append(record)
+            except Exception as err:  # noqa: BLE001 (kept, raised in the actor's own thread)
+                self.error = err
+            finally:
+                self.queue.task_done()
+
+
 class LearnerActor:
     """The learner service, restored from `checkpoint` when given, plus its metrics, the rollout log
     of consumed groups, its own part of checkpoints and the HF export of the mean."""
@@ -181,20 +226,22 @@ class LearnerActor:
 
             if os.path.exists(rollout_log):  # a resumed run: drop what was logged after the checkpoint
                 os.truncate(rollout_log, log_bytes)
-            self.log = RolloutLog(rollout_log)
+            self.log = LogWriter(RolloutLog(rollout_log))
 
+    @ray.method(num_returns=2)
     def step(self, groups: list, n_batches: int, *arrays):
         """One learner step; `arrays` are the step's CompletionBatches then their ScoreBatches,
-        resolved by Ray from the samplers' and verifiers' objects."""
-        from threepo.services.batching import group_records
-
+        resolved by Ray from the samplers' and verifiers' objects. Returns the StepResult and, when
+        the step publishes, the new version's PublishedVersion (else None): the driver passes that
+        second reference on to the posterior server, so a publish is no call of its own on the
+        learner and holds exactly the state after this step, whatever is queued behind it."""
         batches, scores = arrays[:n_batches], arrays[n_batches:]
         result = self.learner.step(groups, batches, scores)
         if self.learner.ranks.first:  # one of R ranks: rank 0 speaks for the group
             record_learner_metrics(self._metrics, result, groups, self.learner.algo.exploration)
-        for record in group_records(groups, batches, scores, result.step) if self.log else ():
-            self.log.append(record)
-        return result
+        if self.log:
+            self.log.put(groups, batches, scores, result.step)
+        return result, self.learner.published(result.publish_reason) if result.publish else None
 
     def published(self, reason: str = ""):
         return self.learner.published(reason)

@@ -231,10 +231,11 @@ class Ledger:
     def groups_per_step(self) -> int:
         return self.b * self.plan.groups_per_prompt
 
-    def admit(self, learner_busy: bool) -> list[RolloutRequest]:
-        """Admit prompts while the staleness bound allows; their requests, one per slot."""
+    def admit(self, learner_busy: bool, queued: int = 0) -> list[RolloutRequest]:
+        """Admit prompts while the staleness bound allows; their requests, one per slot. `queued`:
+        steps taken but waiting behind the running one, not counted as begun by the bound."""
         requests = []
-        while admission_open(mode=self.mode, admitted_prompts=self.admitted_prompts, learner_steps=self.step,
+        while admission_open(mode=self.mode, admitted_prompts=self.admitted_prompts, learner_steps=self.step - queued,
                              learner_busy=learner_busy, prompts_per_step=self.b, max_offpolicy=self.max_offpolicy,
                              total_steps=self.total_steps):
             requests += self._admit_one()

@@ -82,6 +82,7 @@ class LearnerRankActor:
             self.ranks.abort()
             raise
 
+    @ray.method(num_returns=2)
     def step(self, groups: list, n_batches: int, *arrays):
         with self._group():
             return self.actor.step(groups, n_batches, *arrays)

@@ -1,11 +1,13 @@
 """The driver: `run(cfg)` is the one loop that schedules every role. Read this file first.
 
 Schedule of the loop, top to bottom: admit prompts under the staleness bound and send each chunk of
-rollout requests to a sampler and, by reference, straight on to a verifier → when the learner is free
-and a step's worth of groups is complete, hand it the groups' rows (references to the batches, never
-the data) → wait for whatever finishes next: a scored batch joins its groups (or its requests are
-generated again), a learner result is logged and may publish a new version, evaluate the mean or
-start a checkpoint, a new version's plan replaces the current one, an evaluation or a checkpoint
+rollout requests to a sampler and, by reference, straight on to a verifier → when a step's worth of
+groups is complete, hand the learner the groups' rows (references to the batches, never the data):
+when it is free, or (async) to wait in its queue behind the step it is running, so it never waits for
+the driver → wait for whatever finishes next: a scored batch joins its groups (or its requests are
+generated again), a learner result is logged and, when it says so, the version it returned goes to
+the posterior server (no call of its own); the mean is evaluated or a checkpoint started (no step is
+queued past those), a new version's plan replaces the current one, an evaluation or a checkpoint
 completes. The synchronous mode is the same loop with the admission rule that waits for each step.
 
 Completions never pass through the driver: a sampler's `CompletionBatch` goes from the object store
@@ -67,7 +69,7 @@ class Loop:
     inflight: dict = field(default_factory=dict)   # ref -> (kind, payload)
     batches: dict = field(default_factory=dict)    # batch key -> (batch ref, score ref), while a group needs it
     weights: dict = field(default_factory=dict)    # version -> ref of its (mean, σ, checksum)
-    learning: bool = False
+    learning: list = field(default_factory=list)   # learner steps in flight, oldest first (running, queued)
     next_key: int = 0
     verifier_turn: int = 0
     window: Window = field(default_factory=Window)
@@ -122,12 +124,13 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, resume_from: str | None = No
     try:
         while ledger.step < rt.steps or s.learning:
             # 1. admit prompts: each chunk goes to a sampler and, by reference, straight on to a verifier
-            admitted = ledger.admit(learner_busy=s.learning)
+            admitted = ledger.admit(learner_busy=bool(s.learning), queued=max(0, len(s.learning) - 1))
             if admitted:
                 s.roles.posterior.acquire.remote(ledger.version, len({r.group_id for r in admitted}))
                 dispatch(s, admitted)
-            # 2. train when the learner is free and a step's worth of groups is complete
-            if not s.learning and ledger.ready() >= ledger.groups_per_step():
+            # 2. train when a step's worth of groups is complete and the learner is free, or queue the
+            #    step behind the running one
+            if ledger.ready() >= ledger.groups_per_step() and may_learn(s):
                 learn(s)
             # 3. wait for whatever finishes next and route it on
             elastic = not rt.num_samplers
@@ -149,7 +152,7 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, resume_from: str | None = No
             elif kind == "scored":
                 on_scored(s, done, payload)
             elif kind == "learned":
-                on_learned(s, done, run_dir)
+                on_learned(s, done, payload, run_dir)
             elif kind == "published":
                 adopt(s, call(done))
             elif kind == "evaluated":
@@ -241,39 +244,65 @@ def on_scored(s: Loop, done, c: Call) -> None:
     dispatch(s, redo)
 
 
+def may_learn(s: Loop) -> bool:
+    """May the next step go to the learner now? When it is free; and (async) while one step runs,
+    to wait in the learner's queue, so the learner never waits for the driver between steps — unless
+    the running step is followed by an evaluation or a checkpoint, which must see exactly the state
+    after it (a queued step would run first)."""
+    if not s.learning:
+        return True
+    running, rt = s.learning[0], s.cfg.runtime
+    return (len(s.learning) == 1 and rt.mode == "async" and not evaluates_after(s, running)
+            and not checkpoints_after(s, running))
+
+
+def evaluates_after(s: Loop, step: int) -> bool:
+    return s.roles.evaluator is not None and step % s.cfg.runtime.eval_every == 0
+
+
+def checkpoints_after(s: Loop, step: int) -> bool:
+    rt = s.cfg.runtime
+    return bool(rt.checkpoint_every) and step % rt.checkpoint_every == 0 and step < rt.steps
+
+
 def learn(s: Loop) -> None:
     """Hand the learner the next step's groups: row positions and references to their batches."""
     groups, keys, drop, versions = s.ledger.take()
     batch_refs, score_refs = zip(*(s.batches[k] for k in keys))
-    s.inflight[s.roles.learner.step.remote(groups, len(keys), *batch_refs, *score_refs)] = ("learned", None)
+    result, version = s.roles.learner.step.remote(groups, len(keys), *batch_refs, *score_refs)
+    s.inflight[result] = ("learned", version)
+    s.learning.append(s.ledger.step)
     for k in drop:  # the step's task holds its own references from here on
         del s.batches[k]
     for version, n in versions.items():
         s.roles.posterior.release.remote(version, n)
-    s.learning = True
     if s.idle_since is not None:
         s.window.learner_wait_s += time.monotonic() - s.idle_since
         s.idle_since = None
 
 
-def on_learned(s: Loop, done, run_dir: str) -> None:
-    """Log the step; publish, evaluate and checkpoint as the step says (queued on the learner, so
-    each sees exactly the state after this step)."""
-    rt, learner = s.cfg.runtime, s.roles.learner
+def on_learned(s: Loop, done, version, run_dir: str) -> None:
+    """Log the step; publish the version it returned when it says so; evaluate and checkpoint as
+    the step numbers say (queued on the learner, behind nothing: see `may_learn`)."""
+    learner = s.roles.learner
     result = call(done)
-    s.learning, s.idle_since = False, time.monotonic()
+    if result.step != s.learning[0]:
+        raise RuntimeError(f"learner result of step {result.step} before step {s.learning[0]}'s")
+    s.learning.pop(0)
+    if not s.learning:
+        s.idle_since = time.monotonic()
     if result.publish:
-        s.inflight[s.roles.posterior.publish.remote(learner.published.remote(result.publish_reason))] = ("published", None)
-    if s.roles.evaluator is not None and result.step % rt.eval_every == 0:
+        s.inflight[s.roles.posterior.publish.remote(version)] = ("published", None)
+    if evaluates_after(s, result.step):
         s.inflight[s.roles.evaluator.evaluate.remote(learner.published.remote("eval"))] = ("evaluated", result.step)
     row = {"step": result.step, "time_s": round(s.log.elapsed(), 3), "version": s.ledger.version,
            **result.metrics, **s.window.figures(result.metrics["step_time_s"]), **delivery_figures(s),
-           "sync_event": result.publish, "sync_reason": result.publish_reason}
+           "sync_event": result.publish, "sync_reason": result.publish_reason, "learner_queued": len(s.learning)}
     s.window = Window()
     record_driver_metrics(s.log.metrics, row, s.ledger.counts, s.reported)
     s.log.metrics["threepo_actor_restarts_total"].inc(s.restarts.take("sampler"), role="sampler")
     s.log.step(row)
-    if rt.checkpoint_every and result.step % rt.checkpoint_every == 0 and result.step < rt.steps and not s.pending:
+    if checkpoints_after(s, result.step) and not s.pending:
         s.pending = checkpoints.begin(s.roles, s.ledger, run_dir, s.log.offset())
         s.inflight.update({ref: ("saved", None) for ref in s.pending.waiting})
 
@@ -305,10 +334,10 @@ def finish_checkpoint(s: Loop, run_dir: str) -> None:
 def stop_checkpoint(s: Loop, run_dir: str) -> None:
     """A run that stops keeps its work: the step in progress finishes, then a checkpoint is written
     (the roles stay alive: a stop is the rest of the system's fault, not theirs)."""
-    for ref, (kind, _) in list(s.inflight.items()):
+    for ref, (kind, version) in list(s.inflight.items()):
         if kind == "learned":
             s.inflight.pop(ref)
-            on_learned(s, ref, run_dir)
+            on_learned(s, ref, version, run_dir)
     finish_checkpoint(s, run_dir)
 
 

@@ -121,7 +121,7 @@ def test_one_step_of_two_ranks_gives_one_learners_parameters(ray_session, tmp_pa
     group = _group(cfg, tiny_dense_path)
     try:
         assert ray.get(group.published.remote("start")).mean_checksum == start.mean_checksum
-        result = ray.get(group.step.remote(arrays[0], len(arrays[1]), *arrays[1], *arrays[2]))
+        result, _ = ray.get(group.step.remote(arrays[0], len(arrays[1]), *arrays[1], *arrays[2]))
         expected = one.step(*arrays)
         after, want = ray.get(group.published.remote()), one.published()
         moved = max(float(abs(want.mean[n] - start.mean[n]).max()) for n in want.mean)

@@ -81,6 +81,20 @@ def test_admission_routing_and_assembly_of_a_c3po_step():
     assert set(drop) <= set(keys) and len(keys) == len({k for g in groups for k, _, _ in g.parts})
 
 
+def test_a_step_queued_behind_the_running_one_does_not_widen_the_staleness_bound():
+    # B = 2, max_offpolicy = 1, 4 steps: admission runs up to one step past the step being learned
+    ledger = _ledger(steps=4)
+    requests = ledger.admit(learner_busy=False)
+    for k, (_, reqs) in enumerate(ledger.route(requests, samplers=["a"])):
+        ledger.arrived(k, _report(reqs), _scores(reqs))
+    ledger.take()  # step 1 runs: prompts of steps 0..2 may be out
+    assert ledger.counts.admitted_rollouts == 2 * 2 * 4 and len(ledger.admit(learner_busy=True)) == 2 * 2
+    before = ledger.counts.admitted_rollouts
+    ledger.take()  # step 2 waits in the learner's queue behind step 1: nothing more may be admitted yet
+    assert ledger.admit(learner_busy=True, queued=1) == [] and ledger.counts.admitted_rollouts == before
+    assert len(ledger.admit(learner_busy=True)) == 2 * 2  # once step 2 runs, step 3's prompts may go
+
+
 def test_duplicates_refusals_and_infra_errors():
     ledger = _ledger(kind="grpo", slots=1, group=4)
     requests = ledger.admit(learner_busy=False)[:2]

@@ -1,0 +1,79 @@
+"""The driver's schedule rules without a cluster: when the next learner step may be queued behind the
+running one, and the learner's rollout log written behind its steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from threepo.deploy.actors import LogWriter
+from threepo.deploy.config import load_config
+from threepo.deploy.run import may_learn
+from threepo.services.batching import STATUSES, group_records
+from threepo.services.codec import RolloutLog
+
+
+def _loop(learning, *overrides, evaluator=True):
+    cfg = load_config(None, ["runtime.steps=200", "runtime.eval_every=50", "runtime.checkpoint_every=30",
+                             *overrides])
+    return SimpleNamespace(cfg=cfg, learning=list(learning), roles=SimpleNamespace(evaluator=object() if evaluator else None))
+
+
+def test_the_next_step_waits_in_the_learner_queue_behind_one_running_step_only():
+    assert may_learn(_loop([]))
+    assert may_learn(_loop([7]))  # async: step 8 is queued behind step 7
+    assert not may_learn(_loop([7, 8]))  # never more than one waiting
+    assert not may_learn(_loop([7], "runtime.mode=sync"))
+
+
+def test_no_step_is_queued_past_an_evaluation_or_a_checkpoint():
+    assert not may_learn(_loop([50]))  # step 50 is evaluated: the evaluation must see its state
+    assert may_learn(_loop([50], evaluator=False))
+    assert not may_learn(_loop([60]))  # a checkpoint after step 60 (checkpoint_every = 30)
+    assert may_learn(_loop([60], "runtime.checkpoint_every=0"))
+    assert may_learn(_loop([200], "runtime.eval_every=7"))  # no checkpoint after the last step (the final one)
+
+
+def _batch_parts():
+    """One group of two completions as the learner's step receives it (GroupRows, arrays)."""
+    from threepo.services.batching import batches_from_groups
+    from threepo.services.messages import (Completion, Group, ScoredCompletion, TaskItem, VerifyResult,
+                                           VerifyStatus)
+
+    item = TaskItem(uid="p0", prompt="1+1=", answer="2")
+    done = tuple(ScoredCompletion(Completion(completion_id=f"p0/g0/{j}", request_id="r0", group_id="p0/g0", slot=0,
+                                             prompt_uid="p0", engine_id=0, seq_no=j, policy_version=0, slot_seed=None,
+                                             mean_checksum="m", weights_verified=True, prompt_ids=(1, 2),
+                                             token_ids=(3, 4 + j), logprobs=(-0.5, -0.25), finish_reason="stop",
+                                             text="2"), VerifyResult(VerifyStatus.OK, 1.0)) for j in range(2))
+    return batches_from_groups([Group("p0/g0", item, 0, 0, done)])
+
+
+def test_the_rollout_log_is_written_behind_the_step_and_sized_only_when_written(tmp_path):
+    groups, batches, scores = _batch_parts()
+    path = os.path.join(tmp_path, "rollouts.log")
+    writer = LogWriter(RolloutLog(path))
+    for step in (1, 2, 3):
+        writer.put(groups, batches, scores, step)
+    size = writer.size()  # waits for the three queued steps
+    assert size == os.path.getsize(path) > 0
+    records = list(RolloutLog.read(path))
+    assert [g.step for g in records] == [1, 2, 3]
+    assert records[0] == group_records(groups, batches, scores, 1)[0]
+    writer.close()
+
+
+def test_a_rollout_log_write_that_failed_is_raised_by_the_next_call(tmp_path):
+    groups, batches, scores = _batch_parts()
+    writer = LogWriter(RolloutLog(os.path.join(tmp_path, "rollouts.log")))
+    bad = [dataclasses.replace(scores[0], statuses=np.full(2, len(STATUSES) + 5, dtype=np.uint8))]  # no such status
+    writer.put(groups, batches, bad, 1)
+    with pytest.raises(RuntimeError, match="rollout log"):
+        writer.size()
+    with pytest.raises(RuntimeError, match="rollout log"):
+        writer.put(groups, batches, scores, 2)
+
