@@ -9,7 +9,8 @@ proximal policy π_prox is the policy at the start of the step at that update's 
 (computed before the first update, no grad), so later updates see ratios ≠ 1 and the clips act; the
 importance weights correct each rollout's behaviour μ (its slot at its version) to π_prox. The sync
 budget acts on the drift of each rollout's own slot rebuilt from the start-of-step posterior, not on
-the exploration noise between slots (off_policy.behaviour_drift). As one of R data-parallel ranks
+the exploration noise between slots (off_policy.behaviour_drift); a step that publishes on staleness
+anyway does not measure it. As one of R data-parallel ranks
 (`ranks`, services/learner_ranks.py) it computes its share of each point's rows, on gradients summed
 over the ranks, and IVON steps only the tensors this rank owns.
 """
@@ -95,7 +96,8 @@ class Learner:
         rewards = self._rewards(batch)
         keep = adv_math.dynamic_filter(rewards) if self.algo.dynamic_filter else torch.ones(len(groups), dtype=torch.bool)
         updates = self._updates(batch, keep)
-        measured = self._drift_rows(batch)  # before the step counter moves: one sample per step
+        forced = bool(updates) and self.steps_since_sync + 1 >= self.sync.max_staleness  # publishes regardless
+        measured = self._drift_rows(batch, skip=forced and self.optim_cfg.name == "ivon")
         start = self._start_logprobs(batch, updates, measured)
         lampo = self.algo.advantage == "lampo"  # its Δs needs π_prox before the first update
         advantages, adv_metrics = self._advantages(batch, rewards, start.first(updates) if lampo else None)
@@ -115,8 +117,8 @@ class Learner:
         metrics = {**adv_metrics, **self.ranks.point_metrics(diag), **self._group_metrics(batch),
                    **vp2o_metrics, **self._drift_metrics(batch, start, updates, measured),
                    "updates": float(len(updates)), "filtered_groups": float((~keep).sum())}
-        decision = sync_decision(kl=metrics["kl_k3_drift"], ess_frac=metrics["ess_frac_drift"],
-                                 steps_since_sync=self.steps_since_sync, kappa=self.sync.kappa,
+        kl, ess = (metrics["kl_k3_drift"], metrics["ess_frac_drift"]) if len(measured) else (0.0, 1.0)
+        decision = sync_decision(kl=kl, ess_frac=ess, steps_since_sync=self.steps_since_sync, kappa=self.sync.kappa,
                                  eta=self.sync.eta, max_staleness=self.sync.max_staleness)
         if decision.publish:
             if self.vp2o:
@@ -203,8 +205,13 @@ class Learner:
         self.ranks.share_logprobs(start, list(need.items()))
         return start
 
-    def _drift_rows(self, batch: TrainBatch) -> torch.Tensor:
-        """The rollouts the drift diagnostic measures this step (`sync.drift_rows`)."""
+    def _drift_rows(self, batch: TrainBatch, skip: bool) -> torch.Tensor:
+        """The rollouts the drift diagnostic measures this step (`sync.drift_rows`; before the step
+        counter moves: one sample per step); none when `skip`: a step of IVON that publishes on
+        staleness anyway, where the measurement could not change the decision and would cost a
+        forward at a slot's weights (AdamW's drift is update 0's own forward, free)."""
+        if skip:
+            return torch.zeros(0, dtype=torch.long)
         return drift_sample(list(zip(batch.slot_seeds, batch.slot_scales)), self.sync.drift_rows,
                             step=self.step_count, seed=self.algo.seed)
 
@@ -276,20 +283,24 @@ class Learner:
         (m, σ) with its own σ multiplier: the drift the sync budget acts on (`*_drift`; on the
         `_drift_rows` sample), and (b) the π_prox of its first update (what the
         importance weights correct to: drift plus the noise between z and z′; updated rows only;
-        a step without an update reports the drift values there)."""
+        a step without an update reports the drift values there). A step that measured no drift
+        (`_drift_rows`) reports (b) only."""
+        out = {} if not len(measured) else self._slot_drift(batch, start, measured)
+        if updates:
+            rows = torch.unique(torch.cat([rows for points in updates for _, rows in points]))
+            total = off_policy.behaviour_drift(start.first(updates)[rows], batch.logp_behav[rows], batch.mask[rows])
+            out.update(kl_k3=float(total["kl_k3"]), ess_frac=float(total["ess_frac"]))
+        return out
+
+    def _slot_drift(self, batch: TrainBatch, start: StartLogprobs, measured: torch.Tensor) -> dict:
         points = [(batch.slot_seeds[r], batch.slot_scales[r]) for r in measured.tolist()]
         same_slot = torch.zeros_like(batch.logp_behav[measured])
         for seed, scale in set(points):
             at = torch.tensor([i for i, x in enumerate(points) if x == (seed, scale)])
             same_slot[at] = start.get(seed, measured[at], scale)
         drift = off_policy.behaviour_drift(same_slot, batch.logp_behav[measured], batch.mask[measured])
-        out = {"kl_k3_drift": float(drift["kl_k3"]), "ess_frac_drift": float(drift["ess_frac"]),
-               "kl_k3": float(drift["kl_k3"]), "ess_frac": float(drift["ess_frac"])}
-        if updates:
-            rows = torch.unique(torch.cat([rows for points in updates for _, rows in points]))
-            total = off_policy.behaviour_drift(start.first(updates)[rows], batch.logp_behav[rows], batch.mask[rows])
-            out.update(kl_k3=float(total["kl_k3"]), ess_frac=float(total["ess_frac"]))
-        return out
+        return {"kl_k3_drift": float(drift["kl_k3"]), "ess_frac_drift": float(drift["ess_frac"]),
+                "kl_k3": float(drift["kl_k3"]), "ess_frac": float(drift["ess_frac"])}
 
     def _rewards(self, batch: TrainBatch) -> torch.Tensor:
         """The [B/G, G] rewards the advantages use: the verifier's, plus λ_sem·ROUGE-L for LamPO."""

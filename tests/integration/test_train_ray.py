@@ -264,4 +264,5 @@ def test_dead_group_aware_exploration_and_dynamic_filter_keep_records_exact(ray_
     assert scaled == {2.0} and {s.completion.slot_scale for g in groups if "/r" not in g.group_id
                                 for s in g.completions} == {1.0}
     rows = [r for r in _metrics(run_dir) if "reward_mean" in r]
-    assert rows[-1]["readmitted_prompts"] == summary["readmitted_prompts"] and rows[-1]["kl_k3_drift"] < 1e-3
+    assert rows[-1]["readmitted_prompts"] == summary["readmitted_prompts"]
+    assert [r["kl_k3_drift"] for r in rows if "kl_k3_drift" in r][-1] < 1e-3  # the last step measuring it

@@ -300,6 +300,25 @@ def test_sync_budget_measures_drift_not_the_noise_between_slots(sampler, tiny_de
     assert second.metrics["kl_k3_drift"] > m["kl_k3_drift"]
 
 
+def test_a_step_that_publishes_on_staleness_anyway_takes_no_drift_forward(sampler, tiny_dense_path):
+    learner = _learner(tiny_dense_path, sync=SyncConfig(max_staleness=2))
+    groups = _groups(sampler, learner, "c3po", 4, 8)
+    slot_forwards, original = [], learner.opt.sampled_params
+
+    def spy(seed, train=True, scale=1.0):
+        if not train:
+            slot_forwards.append(seed)
+        return original(seed, train, scale)
+    learner.opt.sampled_params = spy
+    first = _step(learner, groups)  # the drift is measured (nothing fires: the mean barely moved)
+    assert not first.publish and len(slot_forwards) == 1 and "kl_k3_drift" in first.metrics
+    second = _step(learner, groups)  # steps_since_sync reaches max_staleness: it publishes regardless
+    assert (second.publish, second.publish_reason) == (True, "staleness") and len(slot_forwards) == 1
+    assert "kl_k3_drift" not in second.metrics and second.metrics["kl_k3"] > 0  # π_prox vs μ still reported
+    third = _step(learner, groups)
+    assert len(slot_forwards) == 2 and "kl_k3_drift" in third.metrics and not third.publish
+
+
 def test_the_drift_of_a_scaled_slot_is_measured_against_the_slot_with_its_own_scale(sampler, tiny_dense_path):
     # dead-group-aware exploration serves θ̂ = m + 2 σ ⊙ z: rebuilt with c = 2 there is no drift yet;
     # rebuilt with c = 1 (a learner ignoring the scale) the noise difference would fire the sync budget
