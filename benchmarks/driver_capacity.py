@@ -11,8 +11,8 @@ work left:
 - `FakeVerifier.score(batch)` returns a ScoreBatch at once (every row `ok`, rewards alternating);
 - `FakeLearner` has the LearnerActor methods the driver calls: `step(groups, n_batches, *arrays)`
   returns a StepResult with the metric keys the driver reads (step_time_s 0, reward_mean,
-  staleness_max, completion_tokens) and publishes every `--publish-every` steps, `published(reason)`
-  a PublishedVersion of a tiny mean and σ, `save_checkpoint(dir)`, `save_hf(dir)`. At each step it
+  staleness_max, completion_tokens) and, every `--publish-every` steps, the PublishedVersion of a
+  tiny mean and σ (as `published(reason)` does), `save_checkpoint(dir)`, `save_hf(dir)`. At each step it
   also stamps the monotonic clock and the driver process's CPU time (/proc/<pid>/stat), so the
   figures cover the loop only (not start-up, the final checkpoint or the report);
 - the posterior server is the real PosteriorActor (it plans the versions the driver admits under).
@@ -37,6 +37,7 @@ import tempfile
 import time
 
 import _common
+import ray
 
 LAYOUT = ("algo.exploration=c3po", "algo.n_slots=4", "algo.group_size=16", "runtime.sampler_cpus=0",
           "runtime.verifier_cpus=0", "runtime.learner_cpus=0", "runtime.log_rollouts=false")
@@ -112,6 +113,7 @@ class FakeLearner:
         self.sigma = {"w": np.full(8, 1e-3, dtype=np.float32)}
         self.checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in self.mean.items())
 
+    @ray.method(num_returns=2)
     def step(self, groups: list, n_batches: int, *arrays):
         from threepo.services.learner import StepResult
 
@@ -121,7 +123,8 @@ class FakeLearner:
         metrics = {"step_time_s": 0.0, "reward_mean": 0.5, "staleness_max": 0.0, "staleness_mean": 0.0,
                    "completion_tokens": float(sum(len(b.token_ids) for b in arrays[:n_batches])), "rows": float(rows),
                    "clock_s": time.monotonic(), "driver_cpu_s": driver_cpu_s(self.driver_pid)}
-        return StepResult(step=self.steps, metrics=metrics, publish=publish, publish_reason="budget" if publish else None)
+        result = StepResult(step=self.steps, metrics=metrics, publish=publish, publish_reason="budget" if publish else None)
+        return result, self.published("budget") if publish else None
 
     def published(self, reason: str = ""):
         from threepo.services.messages import PublishedVersion
