@@ -64,6 +64,7 @@ class FakeSampler:
         self.sample = GeneratedSample(tuple(range(3, 3 + tokens)), (-1.0,) * tokens, "stop", "x" * tokens)
         self.prompt = tuple(range(3, 13))
 
+    @ray.method(num_returns=2)
     def generate(self, requests: list, weights: list) -> tuple:
         import ray
 

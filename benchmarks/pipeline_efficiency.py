@@ -50,7 +50,7 @@ def generate_all(samplers: list, cfg, by_sampler: dict[int, list], weights) -> i
     import ray
 
     per_call = cfg.runtime.requests_per_call
-    reports = [samplers[i].generate.options(num_returns=2).remote(batch[k:k + per_call], [weights])[0]
+    reports = [samplers[i].generate.remote(batch[k:k + per_call], [weights])[0]
                for i, batch in by_sampler.items() for k in range(0, len(batch), per_call)]
     return sum(r.tokens for r in ray.get(reports))
 

@@ -42,10 +42,11 @@ class SamplerActor:
         self.sampler = Sampler(make_engine(model_path, cfg, engine_id, dtype), engine_id, cfg,
                                metrics=RayMetrics(), incarnation=self.incarnation)
 
+    @ray.method(num_returns=2)
     def generate(self, requests: list, weights: list) -> tuple:
         """(GenerateReport, CompletionBatch) of `requests` (one version); `weights` is [a reference
         to that version's (mean, σ, checksum)], fetched only when the sampler holds another version.
-        Called with num_returns=2: the driver reads the report, the batch goes on by reference."""
+        Two returns: the driver reads the report, the batch goes on by reference."""
         from threepo.services.batching import report_of
 
         version = requests[0].policy_version

@@ -179,7 +179,7 @@ def dispatch(s: Loop, requests: list) -> None:
         return
     for sampler, chunk in s.ledger.route(requests, live):
         weights = s.weights[chunk[0].policy_version]
-        report, batch = s.roles.samplers[sampler].generate.options(num_returns=2).remote(chunk, [weights])
+        report, batch = s.roles.samplers[sampler].generate.remote(chunk, [weights])
         s.inflight[verifier(s).score.remote(batch)] = ("scored", Call(sampler, chunk, report, batch))
 
 
