@@ -69,7 +69,7 @@ class Loop:
     inflight: dict = field(default_factory=dict)   # ref -> (kind, payload)
     batches: dict = field(default_factory=dict)    # batch key -> (batch ref, score ref), while a group needs it
     weights: dict = field(default_factory=dict)    # version -> ref of its (mean, σ, checksum)
-    learning: list = field(default_factory=list)   # learner steps in flight, oldest first (running, queued)
+    learning: list = field(default_factory=list)   # (step, result ref, version ref) in flight, oldest first
     next_key: int = 0
     verifier_turn: int = 0
     window: Window = field(default_factory=Window)
@@ -152,7 +152,7 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, resume_from: str | None = No
             elif kind == "scored":
                 on_scored(s, done, payload)
             elif kind == "learned":
-                on_learned(s, done, payload, run_dir)
+                on_learned(s, done, run_dir)
             elif kind == "published":
                 adopt(s, call(done))
             elif kind == "evaluated":
@@ -251,7 +251,7 @@ def may_learn(s: Loop) -> bool:
     after it (a queued step would run first)."""
     if not s.learning:
         return True
-    running, rt = s.learning[0], s.cfg.runtime
+    running, rt = s.learning[0][0], s.cfg.runtime
     return (len(s.learning) == 1 and rt.mode == "async" and not evaluates_after(s, running)
             and not checkpoints_after(s, running))
 
@@ -270,8 +270,8 @@ def learn(s: Loop) -> None:
     groups, keys, drop, versions = s.ledger.take()
     batch_refs, score_refs = zip(*(s.batches[k] for k in keys))
     result, version = s.roles.learner.step.remote(groups, len(keys), *batch_refs, *score_refs)
-    s.inflight[result] = ("learned", version)
-    s.learning.append(s.ledger.step)
+    s.inflight[result] = ("learned", None)
+    s.learning.append((s.ledger.step, result, version))
     for k in drop:  # the step's task holds its own references from here on
         del s.batches[k]
     for version, n in versions.items():
@@ -281,14 +281,23 @@ def learn(s: Loop) -> None:
         s.idle_since = None
 
 
-def on_learned(s: Loop, done, version, run_dir: str) -> None:
+def on_learned(s: Loop, done, run_dir: str) -> None:
+    """Take the learner's results up to `done` in step order (ray.wait may report a queued step's
+    result before the one ahead of it, though the learner ran them in order)."""
+    while s.learning:
+        step, ref, version = s.learning.pop(0)
+        s.inflight.pop(ref, None)
+        learned(s, step, call(ref), version, run_dir)
+        if ref == done:
+            return
+
+
+def learned(s: Loop, step: int, result, version, run_dir: str) -> None:
     """Log the step; publish the version it returned when it says so; evaluate and checkpoint as
     the step numbers say (queued on the learner, behind nothing: see `may_learn`)."""
     learner = s.roles.learner
-    result = call(done)
-    if result.step != s.learning[0]:
-        raise RuntimeError(f"learner result of step {result.step} before step {s.learning[0]}'s")
-    s.learning.pop(0)
+    if result.step != step:
+        raise RuntimeError(f"learner result of step {result.step} where step {step} was expected")
     if not s.learning:
         s.idle_since = time.monotonic()
     if result.publish:
@@ -332,12 +341,10 @@ def finish_checkpoint(s: Loop, run_dir: str) -> None:
 
 
 def stop_checkpoint(s: Loop, run_dir: str) -> None:
-    """A run that stops keeps its work: the step in progress finishes, then a checkpoint is written
+    """A run that stops keeps its work: the steps in progress finish, then a checkpoint is written
     (the roles stay alive: a stop is the rest of the system's fault, not theirs)."""
-    for ref, (kind, version) in list(s.inflight.items()):
-        if kind == "learned":
-            s.inflight.pop(ref)
-            on_learned(s, ref, version, run_dir)
+    if s.learning:
+        on_learned(s, s.learning[-1][1], run_dir)
     finish_checkpoint(s, run_dir)
 
 

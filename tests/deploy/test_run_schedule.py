@@ -20,7 +20,8 @@ from threepo.services.codec import RolloutLog
 def _loop(learning, *overrides, evaluator=True):
     cfg = load_config(None, ["runtime.steps=200", "runtime.eval_every=50", "runtime.checkpoint_every=30",
                              *overrides])
-    return SimpleNamespace(cfg=cfg, learning=list(learning), roles=SimpleNamespace(evaluator=object() if evaluator else None))
+    return SimpleNamespace(cfg=cfg, learning=[(step, f"r{step}", None) for step in learning],
+                           roles=SimpleNamespace(evaluator=object() if evaluator else None))
 
 
 def test_the_next_step_waits_in_the_learner_queue_behind_one_running_step_only():
@@ -36,6 +37,21 @@ def test_no_step_is_queued_past_an_evaluation_or_a_checkpoint():
     assert not may_learn(_loop([60]))  # a checkpoint after step 60 (checkpoint_every = 30)
     assert may_learn(_loop([60], "runtime.checkpoint_every=0"))
     assert may_learn(_loop([200], "runtime.eval_every=7"))  # no checkpoint after the last step (the final one)
+
+
+def test_learner_results_are_taken_in_step_order_whatever_order_ray_reports(monkeypatch):
+    from threepo.deploy import run
+
+    seen = []
+    monkeypatch.setattr(run, "call", lambda ref: f"result of {ref}")
+    monkeypatch.setattr(run, "learned", lambda s, step, result, version, run_dir: seen.append((step, result, version)))
+    s = SimpleNamespace(learning=[(7, "r7", "v7"), (8, "r8", None)], inflight={"r7": ("learned", None)})
+    run.on_learned(s, "r8", "run-dir")  # ray.wait reported the queued step 8 first
+    assert seen == [(7, "result of r7", "v7"), (8, "result of r8", None)]
+    assert s.learning == [] and s.inflight == {}
+    s.learning = [(9, "r9", None), (10, "r10", None)]
+    run.on_learned(s, "r9", "run-dir")  # in order: step 10 stays in flight
+    assert seen[-1][0] == 9 and s.learning == [(10, "r10", None)]
 
 
 def _batch_parts():
