@@ -274,8 +274,8 @@ def learn(s: Loop) -> None:
     s.learning.append((s.ledger.step, result, version))
     for k in drop:  # the step's task holds its own references from here on
         del s.batches[k]
-    for version, n in versions.items():
-        s.roles.posterior.release.remote(version, n)
+    for v, n in versions.items():
+        s.roles.posterior.release.remote(v, n)
     if s.idle_since is not None:
         s.window.learner_wait_s += time.monotonic() - s.idle_since
         s.idle_since = None

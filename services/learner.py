@@ -9,10 +9,10 @@ proximal policy π_prox is the policy at the start of the step at that update's 
 (computed before the first update, no grad), so later updates see ratios ≠ 1 and the clips act; the
 importance weights correct each rollout's behaviour μ (its slot at its version) to π_prox. The sync
 budget acts on the drift of each rollout's own slot rebuilt from the start-of-step posterior, not on
-the exploration noise between slots (off_policy.behaviour_drift); a step that publishes on staleness
-anyway does not measure it. As one of R data-parallel ranks
-(`ranks`, services/learner_ranks.py) it computes its share of each point's rows, on gradients summed
-over the ranks, and IVON steps only the tensors this rank owns.
+the exploration noise between slots (off_policy.behaviour_drift); an IVON step that publishes on
+staleness anyway does not measure it. As one of R data-parallel ranks (`ranks`,
+services/learner_ranks.py) it computes its share of each point's rows, on gradients summed over the
+ranks, and IVON steps only the tensors this rank owns.
 """
 
 from __future__ import annotations
