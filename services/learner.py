@@ -43,6 +43,9 @@ from threepo.services.proximal import StartLogprobs, drift_sample
 from threepo.services.vp2o_hooks import VP2OConfig, VP2OHooks
 
 
+_NO_DRIFT = (0.0, 1.0)  # (KL, ESS fraction) of a behaviour policy equal to the current one
+
+
 @dataclass(frozen=True)
 class StepResult:
     """Metrics of one learner step and whether the sync budget fired (then `published()` gives the
@@ -96,8 +99,7 @@ class Learner:
         rewards = self._rewards(batch)
         keep = adv_math.dynamic_filter(rewards) if self.algo.dynamic_filter else torch.ones(len(groups), dtype=torch.bool)
         updates = self._updates(batch, keep)
-        forced = bool(updates) and self.steps_since_sync + 1 >= self.sync.max_staleness  # publishes regardless
-        measured = self._drift_rows(batch, skip=forced and self.optim_cfg.name == "ivon")
+        measured = self._drift_rows(batch, updates)
         start = self._start_logprobs(batch, updates, measured)
         lampo = self.algo.advantage == "lampo"  # its Δs needs π_prox before the first update
         advantages, adv_metrics = self._advantages(batch, rewards, start.first(updates) if lampo else None)
@@ -117,9 +119,8 @@ class Learner:
         metrics = {**adv_metrics, **self.ranks.point_metrics(diag), **self._group_metrics(batch),
                    **vp2o_metrics, **self._drift_metrics(batch, start, updates, measured),
                    "updates": float(len(updates)), "filtered_groups": float((~keep).sum())}
-        kl, ess = (metrics["kl_k3_drift"], metrics["ess_frac_drift"]) if len(measured) else (0.0, 1.0)
-        decision = sync_decision(kl=kl, ess_frac=ess, steps_since_sync=self.steps_since_sync, kappa=self.sync.kappa,
-                                 eta=self.sync.eta, max_staleness=self.sync.max_staleness)
+        drift = (metrics["kl_k3_drift"], metrics["ess_frac_drift"]) if len(measured) else _NO_DRIFT
+        decision = self._sync_decision(*drift, self.steps_since_sync)
         if decision.publish:
             if self.vp2o:
                 self.vp2o.on_sync()  # the anchor of the prototype budget moves with the behaviour policy
@@ -205,12 +206,16 @@ class Learner:
         self.ranks.share_logprobs(start, list(need.items()))
         return start
 
-    def _drift_rows(self, batch: TrainBatch, skip: bool) -> torch.Tensor:
+    def _sync_decision(self, kl: float, ess_frac: float, steps_since_sync: int):
+        return sync_decision(kl=kl, ess_frac=ess_frac, steps_since_sync=steps_since_sync, kappa=self.sync.kappa,
+                             eta=self.sync.eta, max_staleness=self.sync.max_staleness)
+
+    def _drift_rows(self, batch: TrainBatch, updates: list) -> torch.Tensor:
         """The rollouts the drift diagnostic measures this step (`sync.drift_rows`; before the step
-        counter moves: one sample per step); none when `skip`: a step of IVON that publishes on
-        staleness anyway, where the measurement could not change the decision and would cost a
-        forward at a slot's weights (AdamW's drift is update 0's own forward, free)."""
-        if skip:
+        counter moves: one sample per step); none on an IVON step with updates that the budget
+        publishes with no drift at all (staleness): the measurement could not change the decision
+        and would cost a forward at a slot's weights (AdamW's is update 0's own forward, free)."""
+        if updates and self.optim_cfg.name == "ivon" and self._sync_decision(*_NO_DRIFT, self.steps_since_sync + 1).publish:
             return torch.zeros(0, dtype=torch.long)
         return drift_sample(list(zip(batch.slot_seeds, batch.slot_scales)), self.sync.drift_rows,
                             step=self.step_count, seed=self.algo.seed)

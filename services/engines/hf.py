@@ -270,14 +270,16 @@ class HFEngine:
         keys = [(noise.seed, noise.scale) for noise, _ in groups]
         used: dict[tuple[int, ...], tuple] = {}  # a pass's group indices -> its decoder, load checks
 
+        def holds(lean: LeanQwen2, k: int, i: int) -> bool:  # decoder slot k holds exactly group i's θ̂
+            return param_noise.value_fingerprint(lean.slot_tensors(k)) == slots[i][2]
+
         def decoder(indices: tuple[int, ...]) -> LeanQwen2:
             key = tuple(keys[i] for i in indices)
             if key not in self._decoders:
                 while len(self._decoders) >= _DECODERS_KEPT:
                     self._decoders.pop(next(iter(self._decoders)))
                 lean = LeanQwen2(self.model, [slots[i][0] for i in indices])
-                self._decoders[key] = (lean, [param_noise.value_fingerprint(lean.slot_tensors(k)) == slots[i][2]
-                                              for k, i in enumerate(indices)])
+                self._decoders[key] = (lean, [holds(lean, k, i) for k, i in enumerate(indices)])
             used[indices] = self._decoders[key]
             return used[indices][0]
 
@@ -287,7 +289,7 @@ class HFEngine:
         for indices, (lean, checked) in used.items():  # every decoder a group's rows came from
             for k, i in enumerate(indices):
                 loaded[i] = loaded[i] and checked[k]
-                unchanged[i] = unchanged[i] and param_noise.value_fingerprint(lean.slot_tensors(k)) == slots[i][2]
+                unchanged[i] = unchanged[i] and holds(lean, k, i)
             if not all(loaded[i] and unchanged[i] for i in indices):
                 self._decoders.pop(tuple(keys[i] for i in indices), None)  # rebuilt afresh next time
         return [(ServeReport(self.version, noise.seed, self.mean_checksum, loaded[i], slots[i][1], scale=noise.scale),
