@@ -117,6 +117,7 @@ class IVON(torch.optim.Optimizer):
                         weight_decay=weight_decay, clip_radius=clip_radius, rescale_lr=rescale_lr,
                         debias=debias, hess_approx=hess_approx, step=0)
         super().__init__(named_params, defaults)
+        self._sigmas: dict[str, tuple] = {}  # name -> (h, its version and λ, δ, σ): `_sigma`'s cache
         for name, p in self._named():
             mean = p.detach().to(torch.float32, copy=True)
             self.state[name] = {"mean": mean, "hess": torch.full_like(mean, hess_init),
@@ -133,8 +134,15 @@ class IVON(torch.optim.Optimizer):
         self._avg: dict[str, dict[str, torch.Tensor]] = {}
 
     def _sigma(self, name: str) -> torch.Tensor:
-        group = self.param_groups[0]
-        return posterior_sigma(self.state[name]["hess"], group["ess"], group["weight_decay"])
+        """σ of `name`, computed once per Hessian: kept until h is replaced or written in place, or
+        λ or δ change (a step uses it for two θ̂ writes, the Price estimate and the σ summary)."""
+        group, hess = self.param_groups[0], self.state[name]["hess"]
+        key = (hess._version, group["ess"], group["weight_decay"])
+        held = self._sigmas.get(name)
+        if held is None or held[0] is not hess or held[1] != key:
+            held = (hess, key, posterior_sigma(hess, group["ess"], group["weight_decay"]))
+            self._sigmas[name] = held
+        return held[2]
 
     @contextlib.contextmanager
     def sampled_params(self, seed: int | None, train: bool = True, scale: float = 1.0) -> Iterator[None]:
@@ -154,7 +162,10 @@ class IVON(torch.optim.Optimizer):
                 for name, p in self._named():
                     mean = self.state[name]["mean"]
                     z = noise_like(seed, name, mean.shape) if train and seed is not None else None
-                    p.copy_(perturbed(mean, self._sigma(name), seed, name, scale, z=z))
+                    if p.dtype == torch.float32:  # θ̂ written straight into the parameter
+                        perturbed(mean, self._sigma(name), seed, name, scale, z=z, out=p.data)
+                    else:
+                        p.copy_(perturbed(mean, self._sigma(name), seed, name, scale, z=z))
                     if z is not None:
                         noise[name] = z
             yield
@@ -179,7 +190,10 @@ class IVON(torch.optim.Optimizer):
                 moment = torch.zeros_like(mean)
             else:
                 moment = self._sigma(name) * noise[name].to(mean.device) * grad
-            avg = self._avg.setdefault(name, {"grad": torch.zeros_like(mean), second: torch.zeros_like(mean)})
+            if self._count == 1:  # the first sample is its own mean (Welford from 0, exactly); the
+                self._avg[name] = {"grad": grad, second: moment}  # caller drops p.grad right after
+                continue
+            avg = self._avg[name]
             # Welford running mean: avg += (x - avg) / k, exact for any K without storing samples
             avg["grad"].add_(grad - avg["grad"], alpha=1.0 / self._count)
             avg[second].add_(moment - avg[second], alpha=1.0 / self._count)
@@ -224,7 +238,8 @@ class IVON(torch.optim.Optimizer):
                 p.copy_(self.state[name]["mean"])
 
     def sigma_by_name(self) -> dict[str, torch.Tensor]:
-        """σ = 1 / sqrt(λ (h + δ)) per parameter (§1.1): {name: fp32 [shape]}, new tensors."""
+        """σ = 1 / sqrt(λ (h + δ)) per parameter (§1.1): {name: fp32 [shape]}, held until h changes:
+        do not modify."""
         return {name: self._sigma(name) for name, _ in self._named()}
 
     def mean_by_name(self) -> dict[str, torch.Tensor]:

@@ -41,19 +41,20 @@ def posterior_sigma(hess: torch.Tensor, ess: float, weight_decay: float) -> torc
 
 
 def perturbed(mean: torch.Tensor, sigma: torch.Tensor, seed: int | None, name: str,
-              scale: float = 1.0, z: torch.Tensor | None = None) -> torch.Tensor:
+              scale: float = 1.0, z: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """θ̂ = m + c · σ ⊙ z(seed, name) in fp32, c = `scale` (a slot's σ multiplier; 1 = the posterior
     sample itself); `seed=None` returns a fp32 copy of m (the clean mean; `scale` must then be 1).
     Every consumer of a slot calls this with the same (seed, scale), so θ̂ is bit-identical everywhere.
-    `z`, when given, is `noise_like(seed, name, shape)` already drawn (a caller that needs z again)."""
+    `z`, when given, is `noise_like(seed, name, shape)` already drawn (a caller that needs z again);
+    `out`, when given, is a fp32 tensor of m's shape that receives θ̂ (and is returned)."""
     assert mean.shape == sigma.shape, f"{name}: mean {tuple(mean.shape)} vs sigma {tuple(sigma.shape)}"
     assert scale > 0 and (seed is not None or scale == 1.0), f"{name}: scale {scale} with seed {seed}"
-    theta = mean.detach().float().clone()
-    if seed is not None:
-        # z is always drawn on the CPU (identical streams everywhere), then moved to the weights
-        z = noise_like(seed, name, mean.shape) if z is None else z
-        theta.addcmul_(sigma.float(), z.to(theta.device), value=scale)
-    return theta
+    mean = mean.detach().float()
+    if seed is None:
+        return mean.clone() if out is None else out.copy_(mean)
+    # z is always drawn on the CPU (identical streams everywhere), then moved to the weights
+    z = noise_like(seed, name, mean.shape) if z is None else z
+    return torch.addcmul(mean, sigma.float(), z.to(mean.device), value=scale, out=out)
 
 
 def perturbed_state(

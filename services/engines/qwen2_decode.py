@@ -57,11 +57,15 @@ class LeanQwen2:
             out = torch.stack(parts)
             return out[:, None] if vector else out  # vectors [S, 1, n] broadcast over rows
 
+        def stack_t(*names: str) -> torch.Tensor:
+            # matrices [S, in, out], contiguous: bmm runs 1.1-1.6x faster than on the [S, out, in] view
+            return stack(*names).mT.contiguous()
+
         self.layers = []
         with torch.no_grad():
             self.embed = stack("model.embed_tokens.weight")
-            tied = "lm_head.weight" not in own or own["lm_head.weight"] is own["model.embed_tokens.weight"]
-            self.lm_head = self.embed if tied else stack("lm_head.weight")
+            self.tied = "lm_head.weight" not in own or own["lm_head.weight"] is own["model.embed_tokens.weight"]
+            self.lm_head = self.embed.mT if self.tied else stack_t("lm_head.weight")
             self.final_norm = stack("model.norm.weight", vector=True)
             for i in range(cfg.num_hidden_layers):
                 p = f"model.layers.{i}."
@@ -69,16 +73,16 @@ class LeanQwen2:
                 self.layers.append(dict(
                     in_norm=stack(p + "input_layernorm.weight", vector=True),
                     post_norm=stack(p + "post_attention_layernorm.weight", vector=True),
-                    qkv_w=stack(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+                    qkv_w=stack_t(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
                     qkv_b=stack(attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias", vector=True),
-                    o_w=stack(attn + "o_proj.weight"),
-                    gate_up_w=stack(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
-                    down_w=stack(mlp + "down_proj.weight")))
+                    o_w=stack_t(attn + "o_proj.weight"),
+                    gate_up_w=stack_t(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+                    down_w=stack_t(mlp + "down_proj.weight")))
         self.split = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
 
     def slot_tensors(self, s: int) -> list[torch.Tensor]:
         """Every weight tensor slot s decodes with (each once; for the engine's weight check)."""
-        out = [self.embed[s], self.final_norm[s]] + ([] if self.lm_head is self.embed else [self.lm_head[s]])
+        out = [self.embed[s], self.final_norm[s]] + ([] if self.tied else [self.lm_head[s]])
         return out + [w[s] for layer in self.layers for w in layer.values()]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -97,8 +101,8 @@ class LeanQwen2:
 
     @staticmethod
     def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [S, R, in] through each slot's w [S, out, in] (and bias [S, 1, out])."""
-        return torch.bmm(x, w.mT) if bias is None else torch.baddbmm(bias, x, w.mT)
+        """x [S, R, in] through each slot's w [S, in, out] (and bias [S, 1, out])."""
+        return torch.bmm(x, w) if bias is None else torch.baddbmm(bias, x, w)
 
     def new_cache(self, batch: int, length: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (batch, self.kv_heads, length, self.head_dim)
