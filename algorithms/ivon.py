@@ -4,19 +4,20 @@ What this is: the update of §1.2 re-derived from its formulas (ivon-opt is GPL-
 copied from it or imports it) as pure tensor functions, and `IVON`, a torch optimizer built on them.
 Its state (fp32 mean m, Hessian h, momentum g_m; the step count t in the param group) is keyed by
 parameter name and exports to the layout of §1.6. A sample θ̂ = m + σ ⊙ z is written with
-`param_noise.perturbed`, so the θ̂ of a seed is exactly the one a sampler engine builds.
+`param_noise.load_perturbed`, so the θ̂ of a seed is exactly the one a sampler engine builds.
 
 What this is not: no collectives (a data-parallel learner sums the gradients over its ranks before
-each sample is folded in, and steps only the tensors it owns: algorithms/ivon_shard.py), no schedule (set `param_groups[0]["lr"]`), no file I/O (`export_state` returns
-tensors and a JSON-able dict), no closure-driven MC loop.
+each sample is folded in and steps only the tensors it owns: ivon_shard.py), no schedule (set
+`param_groups[0]["lr"]`), no file I/O (`export_state` returns tensors and a JSON-able dict), no
+closure-driven MC loop.
 
 Departures from ivon-opt 0.1.3 (§1.5), each deliberate:
 - gradients are zeroed between MC samples (§1.5 item 10 [OURS]); a `.grad` of None counts as zeros
   (unrouted MoE experts, §1.5 item 1);
 - state and the mean are fp32 whatever the parameter dtype; m lives in the state and p.data is a
   copy of it, restored with `copy_` in a `finally` (never rebound, never by subtracting noise);
-- z is drawn per tensor from (seed, name) by a CPU generator, not one flat randn, and ε = σ ⊙ z is
-  regenerated when the sample is folded in rather than stored (§1.5 item 5, §1.6);
+- z is drawn per tensor from (seed, name) by a CPU generator, not one flat randn, and kept until
+  the sample is folded in (§1.5 item 5, §1.6);
 - a training sample with `seed=None` has ε = 0, so its Price Hessian estimate is exactly 0;
 - the step count lives in the param group, so `state_dict()` and `export_state()` both carry it;
 - constructor defaults are the project's system defaults (§7, the 3PO values), not ivon-opt's;
@@ -32,7 +33,7 @@ from collections.abc import Iterator
 
 import torch
 
-from threepo.algorithms.param_noise import noise_like, perturbed, posterior_sigma
+from threepo.algorithms.param_noise import load_perturbed, noise_like, posterior_sigma
 
 HESS_APPROX = ("price", "gradsq")
 _STATE_KINDS = ("mean", "hess", "momentum")
@@ -99,10 +100,8 @@ def _check_hyper(lr, ess, hess_init, beta1, beta2, weight_decay, clip_radius, he
 
 
 class IVON(torch.optim.Optimizer):
-    """IVON as a torch optimizer over named parameters; state keyed by name (§1.2, §1.6).
-
-    Use: for each of K samples, `with opt.sampled_params(seed): loss.backward()`; then `opt.step()`.
-    """
+    """IVON as a torch optimizer over named parameters; state keyed by name (§1.2, §1.6). Use: for
+    each of K samples, `with opt.sampled_params(seed): loss.backward()`; then `opt.step()`."""
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], *, lr: float, ess: float,
                  hess_init: float = 1e-3, beta1: float = 0.9, beta2: float = 0.9999,
@@ -134,21 +133,18 @@ class IVON(torch.optim.Optimizer):
         self._avg: dict[str, dict[str, torch.Tensor]] = {}
 
     def _sigma(self, name: str) -> torch.Tensor:
-        """σ of `name`, computed once per Hessian: kept until h is replaced or written in place, or
-        λ or δ change (a step uses it for two θ̂ writes, the Price estimate and the σ summary)."""
+        """σ of `name`, kept until h is replaced or written in place or λ or δ change."""
         group, hess = self.param_groups[0], self.state[name]["hess"]
         key = (hess._version, group["ess"], group["weight_decay"])
-        held = self._sigmas.get(name)
-        if held is None or held[0] is not hess or held[1] != key:
-            held = (hess, key, posterior_sigma(hess, group["ess"], group["weight_decay"]))
-            self._sigmas[name] = held
+        if (held := self._sigmas.get(name)) is None or held[0] is not hess or held[1] != key:
+            held = self._sigmas[name] = (hess, key, posterior_sigma(hess, group["ess"], group["weight_decay"]))
         return held[2]
 
     @contextlib.contextmanager
     def sampled_params(self, seed: int | None, train: bool = True, scale: float = 1.0) -> Iterator[None]:
         """Write θ̂ = m + c · σ ⊙ z(seed, name) into p.data (cast to its dtype), yield, restore m.
 
-        With train=True the gradients left by the body are folded into the running (Welford)
+        With train=True (z drawn once) the gradients left by the body are folded into the running (Welford)
         means ḡ = mean_k ĝ_k and mean_k ε_k ⊙ ĝ_k (or ĝ_k²), then zeroed (§1.2). If the body
         raises, nothing is accumulated; p.data is restored from the fp32 mean in every case.
         `scale` (c, a slot's σ multiplier) rebuilds a scaled slot for evaluation only: the Price
@@ -156,18 +152,9 @@ class IVON(torch.optim.Optimizer):
         """
         if train and scale != 1.0:
             raise ValueError(f"sampled_params: a training sample needs scale 1 (ε ~ N(0, σ²)), got {scale}")
-        noise = {}  # z of a training sample, drawn once: the Price estimate needs it again
+        noise = {name: noise_like(seed, name, p.shape) for name, p in self._named()} if train and seed is not None else {}
         try:
-            with torch.no_grad():
-                for name, p in self._named():
-                    mean = self.state[name]["mean"]
-                    z = noise_like(seed, name, mean.shape) if train and seed is not None else None
-                    if p.dtype == torch.float32:  # θ̂ written straight into the parameter
-                        perturbed(mean, self._sigma(name), seed, name, scale, z=z, out=p.data)
-                    else:
-                        p.copy_(perturbed(mean, self._sigma(name), seed, name, scale, z=z))
-                    if z is not None:
-                        noise[name] = z
+            load_perturbed(self._named(), self.mean_by_name(), self.sigma_by_name(), seed, scale, noise)
             yield
             if train:
                 self._accumulate(seed, noise)
@@ -193,8 +180,7 @@ class IVON(torch.optim.Optimizer):
             if self._count == 1:  # the first sample is its own mean (Welford from 0, exactly); the
                 self._avg[name] = {"grad": grad, second: moment}  # caller drops p.grad right after
                 continue
-            avg = self._avg[name]
-            # Welford running mean: avg += (x - avg) / k, exact for any K without storing samples
+            avg = self._avg[name]  # Welford running mean: avg += (x - avg) / k, exact for any K
             avg["grad"].add_(grad - avg["grad"], alpha=1.0 / self._count)
             avg[second].add_(moment - avg[second], alpha=1.0 / self._count)
 
@@ -286,10 +272,9 @@ class IVON(torch.optim.Optimizer):
     @torch.no_grad()
     def sigma_percentiles(self, quantiles: tuple[float, ...] = (0.01, 0.5, 0.99),
                           max_points: int = 1 << 20) -> dict[str, float]:
-        """σ over all parameters for logging the runaway-σ hazard (feasibility.md, end):
-        {'p1', 'p50', 'p99' (per `quantiles`), 'max', 'max_over_init' = max σ / σ0} with
-        σ0 = 1/sqrt(λ(h0+δ)). Percentiles use an evenly strided subsample of at most ~`max_points`
-        entries; the max is exact."""
+        """σ over all parameters for logging the runaway-σ hazard (feasibility.md, end): {'p1', 'p50',
+        'p99' (per `quantiles`), 'max', 'max_over_init' = max σ / σ0} with σ0 = 1/sqrt(λ(h0+δ)).
+        Percentiles use an evenly strided subsample of at most ~`max_points` entries; the max is exact."""
         return self.sigma_summary(*self.sigma_points(max_points), quantiles)
 
     @torch.no_grad()

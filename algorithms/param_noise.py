@@ -57,6 +57,21 @@ def perturbed(mean: torch.Tensor, sigma: torch.Tensor, seed: int | None, name: s
     return torch.addcmul(mean, sigma.float(), z.to(mean.device), value=scale, out=out)
 
 
+@torch.no_grad()
+def load_perturbed(params: Iterable[tuple[str, torch.Tensor]], means: Mapping[str, torch.Tensor],
+                   sigmas: Mapping[str, torch.Tensor], seed: int | None, scale: float = 1.0,
+                   noise: Mapping[str, torch.Tensor] | None = None) -> None:
+    """p ← θ̂ = m + c · σ ⊙ z(seed, name) for every (name, p) of `params`, in p's dtype (fp32
+    parameters written in place, no copy); `noise` maps names to z already drawn (a caller that
+    needs z again), others are drawn here."""
+    for name, p in params:
+        z = (noise or {}).get(name)
+        if p.dtype == torch.float32:
+            perturbed(means[name], sigmas[name], seed, name, scale, z=z, out=p.data)
+        else:
+            p.copy_(perturbed(means[name], sigmas[name], seed, name, scale, z=z))
+
+
 def perturbed_state(
     means: Mapping[str, torch.Tensor], sigmas: Mapping[str, torch.Tensor], seed: int | None, scale: float = 1.0
 ) -> dict[str, torch.Tensor]:

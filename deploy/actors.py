@@ -162,9 +162,10 @@ class VerifierActor:
 
 class LogWriter:
     """The learner's rollout log, written by a thread of its own: a step only queues its consumed
-    groups (their rows still point into the step's arrays); turning them into records, encoding
-    and appending happen behind the next step. `size()` waits for everything queued (a checkpoint
-    records it); a write that failed is raised by the next `put` or `size`."""
+    groups (their rows still point into the step's arrays); encoding them with those arrays (one
+    `ConsumedStep` record per step) and appending happen behind the next step. `size()` waits for
+    everything queued (a checkpoint records it); a write that failed is raised by the next `put` or
+    `size`."""
 
     def __init__(self, log) -> None:
         import queue
@@ -191,14 +192,13 @@ class LogWriter:
             raise RuntimeError(f"rollout log {self.log.path}: {self.error}") from self.error
 
     def _run(self) -> None:
-        from threepo.services.batching import group_records
+        from threepo.services.messages import ConsumedStep
 
         while True:
             groups, batches, scores, step = self.queue.get()
             try:
-                if self.error is None:
-                    for record in group_records(groups, batches, scores, step):
-                        self.log.append(record)
+                if self.error is None:  # arrays as they came: no per-completion objects
+                    self.log.append(ConsumedStep(step, tuple(groups), tuple(batches), tuple(scores)))
             except Exception as err:  # noqa: BLE001 (kept, raised in the actor's own thread)
                 self.error = err
             finally:

@@ -108,7 +108,8 @@ class RuntimeConfig:
     """Times the driver restarts a dead learner or posterior server from the latest checkpoint by
     itself before it stops with the resume command (0 = stop at once)."""
     log_rollouts: bool = True
-    """Append every consumed group (msgpack, schema-versioned) to `rollouts.log` in the run directory."""
+    """Append every consumed group (msgpack, schema-versioned; one record of the step's arrays per
+    step, `batching.logged_groups` reads them as groups) to `rollouts.log` in the run directory."""
 
     def __post_init__(self) -> None:
         if self.num_samplers < 0 or self.request_samplers < 0 or not self.pool_check_s > 0:

@@ -13,13 +13,14 @@ Not here: which rows form a group (the driver's ledger), advantages and losses (
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from threepo.services.messages import (STATUSES, Completion, CompletionBatch, GenerateReport, Group, GroupRows,
+from threepo.services.messages import (STATUSES, Completion, CompletionBatch, ConsumedStep, GenerateReport, Group,
+                                       GroupRows,
                                        RolloutRequest, ScoreBatch, ScoredCompletion, VerifyRequest,
                                        VerifyResult, VerifyStatus)
 
@@ -172,6 +173,18 @@ def group_records(groups: Sequence[GroupRows], batches: Sequence[CompletionBatch
                        for b, first, count in grp.parts for r in range(first, first + count))
         out.append(Group(grp.group_id, grp.item, grp.policy_version, grp.published_step, scored, step=step))
     return out
+
+
+def logged_groups(path: str) -> Iterator[Group]:
+    """The consumed groups of the rollout log at `path` in record form, in step order (a log written
+    before logs kept arrays holds Group records: they come as they are)."""
+    from threepo.services.codec import RolloutLog
+
+    for record in RolloutLog.read(path):
+        if isinstance(record, ConsumedStep):
+            yield from group_records(record.groups, record.batches, record.scores, record.step)
+        else:
+            yield record
 
 
 def batches_from_groups(groups: Sequence[Group]) -> tuple[list[GroupRows], list[CompletionBatch], list[ScoreBatch]]:

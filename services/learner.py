@@ -10,7 +10,8 @@ proximal policy π_prox is the policy at the start of the step at that update's 
 importance weights correct each rollout's behaviour μ (its slot at its version) to π_prox. The sync
 budget acts on the drift of each rollout's own slot rebuilt from the start-of-step posterior, not on
 the exploration noise between slots (off_policy.behaviour_drift); an IVON step that publishes on
-staleness anyway does not measure it. As one of R data-parallel ranks (`ranks`,
+staleness anyway does not measure it, and on one rank its forward runs beside the update's gradient
+(services/proximal.py: `Beside`). As one of R data-parallel ranks (`ranks`,
 services/learner_ranks.py) it computes its share of each point's rows, on gradients summed over the
 ranks, and IVON steps only the tensors this rank owns.
 """
@@ -39,7 +40,7 @@ from threepo.services.batching import MALFORMED, TrainBatch, collate
 from threepo.services.messages import CompletionBatch, GroupRows, PublishedVersion, ScoreBatch
 from threepo.services.modeling import load_model, trainable_named_parameters
 from threepo.services.prefix_forward import prompt_runs, shared_prefix_logits
-from threepo.services.proximal import StartLogprobs, drift_sample
+from threepo.services.proximal import Beside, Pending, StartLogprobs, drift_metrics, drift_sample
 from threepo.services.vp2o_hooks import VP2OConfig, VP2OHooks
 
 
@@ -73,6 +74,9 @@ class Learner:
         self.model = load_model(model_path).to(self.device).train()
         self.named = trainable_named_parameters(self.model)
         self.ref_model = load_model(model_path).to(self.device).eval() if algo.kl_coef else None
+        # IVON on one rank: the drift diagnostic's forwards at slot weights run beside the update
+        self.beside = (Beside(self.model, [n for n, _ in self.named])
+                       if optim.name == "ivon" and self.ranks.world == 1 and deepspeed_stage < 0 else None)
         # AdamW's model side through DeepSpeed at ZeRO `deepspeed_stage` (services/learner_deepspeed.py)
         self.engine = (DeepSpeedAdamW(self.model, optim, deepspeed_stage, self.ranks.rank, self.ranks.world)
                        if deepspeed_stage >= 0 else None)
@@ -100,7 +104,7 @@ class Learner:
         keep = adv_math.dynamic_filter(rewards) if self.algo.dynamic_filter else torch.ones(len(groups), dtype=torch.bool)
         updates = self._updates(batch, keep)
         measured = self._drift_rows(batch, updates)
-        start = self._start_logprobs(batch, updates, measured)
+        start, pending = self._start_logprobs(batch, updates, measured)
         lampo = self.algo.advantage == "lampo"  # its Δs needs π_prox before the first update
         advantages, adv_metrics = self._advantages(batch, rewards, start.first(updates) if lampo else None)
         diag, vp2o_metrics, size = [], {}, batch.rewards.shape[1]
@@ -112,12 +116,14 @@ class Learner:
                 if u == 0:
                     start.put(seed, mine, logp)  # update 0 runs at the start weights: its own π_prox
                 diag.append((float(batch.mask[mine].sum()), metrics))
+            pending.join(start)  # before the first optimizer step moves (m, σ)
             vp2o_metrics = self._vp2o_step() if self.vp2o else self._optimizer_step()
+        pending.join(start)
         self.ranks.share_logprobs(start, [((s, 1.0), r) for s, r in updates[0]] if updates and not lampo else [])
         self.step_count += 1
         self.steps_since_sync += 1
         metrics = {**adv_metrics, **self.ranks.point_metrics(diag), **self._group_metrics(batch),
-                   **vp2o_metrics, **self._drift_metrics(batch, start, updates, measured),
+                   **vp2o_metrics, **drift_metrics(batch, start, updates, measured),
                    "updates": float(len(updates)), "filtered_groups": float((~keep).sum())}
         drift = (metrics["kl_k3_drift"], metrics["ess_frac_drift"]) if len(measured) else _NO_DRIFT
         decision = self._sync_decision(*drift, self.steps_since_sync)
@@ -180,31 +186,38 @@ class Learner:
         ivon = self.optim_cfg.name == "ivon"
         return self.ranks.sampled(self.opt, self.named, seed, train, scale) if ivon else contextlib.nullcontext()
 
-    def _start_logprobs(self, batch: TrainBatch, updates: list, measured: torch.Tensor) -> StartLogprobs:
+    def _start_logprobs(self, batch: TrainBatch, updates: list, measured: torch.Tensor) -> tuple[StartLogprobs, Pending]:
         """Token log-probs at the start of the step (no grad), for every point that needs them before
         the weights move: the π_prox of updates ≥ 1, every rollout's own slot θ̂ = m + c · σ ⊙ z(seed)
         at the current (m, σ) with the slot's own σ multiplier c for the drift diagnostic, and for
         LamPO also update 0's π_prox (Δs comes first). Update 0's π_prox is otherwise its own first
-        forward (stored by `step`). Points are (seed, c); gradient points have c = 1."""
-        lampo, need = self.algo.advantage == "lampo", {}
+        forward (stored by `step`). Points are (seed, c); gradient points have c = 1. Points only the
+        drift diagnostic needs are computed beside the update when the learner can (`Beside`): they
+        are in `start` once the returned `Pending` is joined."""
+        lampo, for_updates, for_drift = self.algo.advantage == "lampo", {}, {}
         points = list(zip(batch.slot_seeds, batch.slot_scales))
         for r in measured.tolist():
-            need.setdefault(points[r], set()).add(r)
+            for_drift.setdefault(points[r], set()).add(r)
         for u, points in enumerate(updates):
             for seed, rows in points:
                 if u or lampo:
-                    need.setdefault((seed, 1.0), set()).update(rows.tolist())
+                    for_updates.setdefault((seed, 1.0), set()).update(rows.tolist())
         for seed, rows in ([] if lampo or not updates else updates[0]):
-            need.get((seed, 1.0), set()).difference_update(rows.tolist())
+            for need in (for_updates, for_drift):
+                need.get((seed, 1.0), set()).difference_update(rows.tolist())
+        aside = {p: torch.tensor(sorted(r)) for p, r in for_drift.items() if r and p not in for_updates} if self.beside else {}
+        for point in set(for_drift) - set(aside):
+            for_updates.setdefault(point, set()).update(for_drift[point])
         start, size = StartLogprobs(batch.mask.shape, batch.mask.device), batch.rewards.shape[1]
-        need = {point: torch.tensor(sorted(rows)) for point, rows in need.items() if rows}
+        need = {point: torch.tensor(sorted(rows)) for point, rows in for_updates.items() if rows}
+        pending = self.beside.start(self._logprobs, batch, aside, self.opt) if aside else Pending()
         for (seed, scale), rows in need.items():
             idx = self.ranks.mine(rows, size)  # every rank takes part in each point's collectives
             with torch.no_grad(), self._at(seed, train=False, scale=scale):
                 logp = self._logprobs(batch, idx)
             start.put(seed, idx, logp, scale)
         self.ranks.share_logprobs(start, list(need.items()))
-        return start
+        return start, pending
 
     def _sync_decision(self, kl: float, ess_frac: float, steps_since_sync: int):
         return sync_decision(kl=kl, ess_frac=ess_frac, steps_since_sync=steps_since_sync, kappa=self.sync.kappa,
@@ -220,10 +233,10 @@ class Learner:
         return drift_sample(list(zip(batch.slot_seeds, batch.slot_scales)), self.sync.drift_rows,
                             step=self.step_count, seed=self.algo.seed)
 
-    def _logprobs(self, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
+    def _logprobs(self, batch: TrainBatch, rows: torch.Tensor, model=None) -> torch.Tensor:
         if not len(rows):
             return batch.logp_behav[rows]  # [0, T]: another rank's rows
-        logits = self._logits(self.model, batch, rows)
+        logits = self._logits(model or self.model, batch, rows)
         return losses.token_logprobs(logits[:, :-1], batch.targets[rows], self.temperature)
 
     def _logits(self, model, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
@@ -282,30 +295,6 @@ class Learner:
             loss_tok, metrics = losses.clipped_surrogate(logp, prox, advantages, mask_eff, **clip)
         metrics["is_weight_mean"] = (weights.sum(1) / mask.sum(1).clamp(min=1)).mean()
         return loss_tok * weights, mask_eff, metrics
-
-    def _drift_metrics(self, batch: TrainBatch, start: StartLogprobs, updates: list, measured: torch.Tensor) -> dict:
-        """Behaviour μ against (a) each measured rollout's own slot rebuilt at the start-of-step
-        (m, σ) with its own σ multiplier: the drift the sync budget acts on (`*_drift`; on the
-        `_drift_rows` sample), and (b) the π_prox of its first update (what the
-        importance weights correct to: drift plus the noise between z and z′; updated rows only;
-        a step without an update reports the drift values there). A step that measured no drift
-        (`_drift_rows`) reports (b) only."""
-        out = {} if not len(measured) else self._slot_drift(batch, start, measured)
-        if updates:
-            rows = torch.unique(torch.cat([rows for points in updates for _, rows in points]))
-            total = off_policy.behaviour_drift(start.first(updates)[rows], batch.logp_behav[rows], batch.mask[rows])
-            out.update(kl_k3=float(total["kl_k3"]), ess_frac=float(total["ess_frac"]))
-        return out
-
-    def _slot_drift(self, batch: TrainBatch, start: StartLogprobs, measured: torch.Tensor) -> dict:
-        points = [(batch.slot_seeds[r], batch.slot_scales[r]) for r in measured.tolist()]
-        same_slot = torch.zeros_like(batch.logp_behav[measured])
-        for seed, scale in set(points):
-            at = torch.tensor([i for i, x in enumerate(points) if x == (seed, scale)])
-            same_slot[at] = start.get(seed, measured[at], scale)
-        drift = off_policy.behaviour_drift(same_slot, batch.logp_behav[measured], batch.mask[measured])
-        return {"kl_k3_drift": float(drift["kl_k3"]), "ess_frac_drift": float(drift["ess_frac"]),
-                "kl_k3": float(drift["kl_k3"]), "ess_frac": float(drift["ess_frac"])}
 
     def _rewards(self, batch: TrainBatch) -> torch.Tensor:
         """The [B/G, G] rewards the advantages use: the verifier's, plus λ_sem·ROUGE-L for LamPO."""

@@ -5,8 +5,9 @@ numpy zero-copy, torch tensors with a pickle copy). The hot path is arrays: a sa
 `CompletionBatch` (flat token / log-prob arrays with offsets) that goes by reference to a verifier
 and to the learner, a verifier returns a `ScoreBatch`, and the driver sees only the small
 `GenerateReport` and `ScoreBatch` and tells the learner which rows form each group (`GroupRows`).
-`Completion`, `ScoredCompletion` and `Group` are the per-completion record form (rollout logs,
-tests), built off the hot path by services/batching.py. Messages that leave a process outside Ray
+`Completion`, `ScoredCompletion` and `Group` are the per-completion record form (tests, reading a
+rollout log), built off the hot path by services/batching.py; the rollout log itself keeps each
+step's arrays (`ConsumedStep`). Messages that leave a process outside Ray
 (rollout logs, the rollout buffer in checkpoints, remote verifiers) go through `services/codec.py`,
 which stamps them with `SCHEMA_VERSION`.
 """
@@ -250,6 +251,18 @@ class GroupRows:
     policy_version: int
     published_step: int
     parts: tuple[tuple[int, int, int], ...]
+
+
+@dataclass(frozen=True)
+class ConsumedStep:
+    """One learner step's consumed groups as the learner received them (a rollout log record):
+    the groups' rows of the step's array batches and their scores. `batching.group_records` turns
+    it into record-form Groups (`batching.logged_groups` reads a log that way)."""
+
+    step: int
+    groups: tuple[GroupRows, ...]
+    batches: tuple[CompletionBatch, ...]
+    scores: tuple[ScoreBatch, ...]
 
 
 @dataclass(frozen=True)

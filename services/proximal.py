@@ -5,12 +5,21 @@ update's gradient point θ̂′ = m₀ + σ₀ ⊙ z(seed) (seed None: the mean)
 each rollout's behaviour log-probs with its own slot rebuilt from (m₀, σ₀) and the slot's σ
 multiplier c (θ̂ = m₀ + c · σ₀ ⊙ z(seed); gradient points have c = 1). The learner computes
 these once, before the weights move, row by row into one [B, T] tensor per seed; rows asked for
-twice are computed once. Not here: the forward passes themselves (services/learner.py).
+twice are computed once; `Beside` computes those only the drift diagnostic needs on a copy of the
+model in a thread of its own, beside the update's gradient, and `drift_metrics` compares them with
+the behaviour log-probs. Not here: what each forward computes (services/learner.py).
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import torch
+
+from threepo.algorithms import off_policy
+from threepo.algorithms.param_noise import load_perturbed
 
 
 class StartLogprobs:
@@ -49,3 +58,72 @@ def drift_sample(points: list, sample: int, *, step: int, seed: int) -> torch.Te
     rows = torch.tensor([r for r, p in enumerate(points) if p == chosen])
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     return rows[torch.randperm(len(rows), generator=gen)[:sample]].sort().values
+
+
+def drift_metrics(batch, start: StartLogprobs, updates: list, measured: torch.Tensor) -> dict:
+    """Behaviour μ against (a) each measured rollout's own slot rebuilt at the start-of-step
+    (m, σ) with its own σ multiplier: the drift the sync budget acts on (`*_drift`; on the
+    learner's `_drift_rows` sample), and (b) the π_prox of its first update (what the
+    importance weights correct to: drift plus the noise between z and z′; updated rows only;
+    a step without an update reports the drift values there). A step that measured no drift
+    reports (b) only."""
+    out = {} if not len(measured) else _slot_drift(batch, start, measured)
+    if updates:
+        rows = torch.unique(torch.cat([rows for points in updates for _, rows in points]))
+        total = off_policy.behaviour_drift(start.first(updates)[rows], batch.logp_behav[rows], batch.mask[rows])
+        out.update(kl_k3=float(total["kl_k3"]), ess_frac=float(total["ess_frac"]))
+    return out
+
+
+def _slot_drift(batch, start: StartLogprobs, measured: torch.Tensor) -> dict:
+    points = [(batch.slot_seeds[r], batch.slot_scales[r]) for r in measured.tolist()]
+    same_slot = torch.zeros_like(batch.logp_behav[measured])
+    for seed, scale in set(points):
+        at = torch.tensor([i for i, x in enumerate(points) if x == (seed, scale)])
+        same_slot[at] = start.get(seed, measured[at], scale)
+    drift = off_policy.behaviour_drift(same_slot, batch.logp_behav[measured], batch.mask[measured])
+    return {"kl_k3_drift": float(drift["kl_k3"]), "ess_frac_drift": float(drift["ess_frac"]),
+            "kl_k3": float(drift["kl_k3"]), "ess_frac": float(drift["ess_frac"])}
+
+
+class Pending:
+    """Start-of-step log-probs being computed beside the update; `join` waits for them and files
+    them into the step's `StartLogprobs` (once; a later join does nothing). Errors propagate."""
+
+    def __init__(self, future: Future | None = None) -> None:
+        self.future = future
+
+    def join(self, start: StartLogprobs) -> None:
+        if self.future is not None:
+            future, self.future = self.future, None
+            for (seed, scale), rows, logp in future.result():
+                start.put(seed, rows, logp, scale)
+
+
+class Beside:
+    """No-grad forwards at start-of-step posterior samples on a copy of the learner's model, in a
+    thread of their own, so that they run while the main thread computes the update's gradient (on
+    a CPU box, in a core's idle time; the result does not depend on timing). It takes the points
+    only the drift diagnostic needs; (m, σ) are read as they are when `start` is called, and the
+    learner joins before its first optimizer step changes them."""
+
+    def __init__(self, model: torch.nn.Module, names: list[str]) -> None:
+        self.model = copy.deepcopy(model).requires_grad_(False)
+        params = dict(self.model.named_parameters())
+        self.named = [(n, params[n]) for n in names]
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="learner-beside")
+
+    def start(self, logprobs: Callable, batch, points: dict, opt) -> Pending:
+        """Computes `logprobs(batch, rows, model)` at θ̂(seed, c) from IVON `opt`'s current (m, σ) for
+        each ((seed, c), rows) of `points`, on this copy of the model, in the thread."""
+        means, sigmas = opt.mean_by_name(), opt.sigma_by_name()
+
+        def work() -> list:
+            torch.set_flush_denormal(True)  # per thread, as the learner's own
+            out = []
+            with torch.no_grad():
+                for (seed, scale), rows in points.items():
+                    load_perturbed(self.named, means, sigmas, seed, scale)
+                    out.append(((seed, scale), rows, logprobs(batch, rows, self.model)))
+            return out
+        return Pending(self.pool.submit(work))

@@ -3,17 +3,15 @@ running one, and the learner's rollout log written behind its steps."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from threepo.deploy.actors import LogWriter
 from threepo.deploy.config import load_config
 from threepo.deploy.run import may_learn
-from threepo.services.batching import STATUSES, group_records
+from threepo.services.batching import group_records, logged_groups
 from threepo.services.codec import RolloutLog
 
 
@@ -77,17 +75,30 @@ def test_the_rollout_log_is_written_behind_the_step_and_sized_only_when_written(
         writer.put(groups, batches, scores, step)
     size = writer.size()  # waits for the three queued steps
     assert size == os.path.getsize(path) > 0
-    records = list(RolloutLog.read(path))
+    assert [type(r).__name__ for r in RolloutLog.read(path)] == ["ConsumedStep"] * 3  # arrays, one record a step
+    records = list(logged_groups(path))
     assert [g.step for g in records] == [1, 2, 3]
     assert records[0] == group_records(groups, batches, scores, 1)[0]
     writer.close()
 
 
+def test_a_rollout_log_of_group_records_still_reads_as_groups(tmp_path):
+    # a run resumed from a log written before logs kept arrays appends steps behind its Group records
+    groups, batches, scores = _batch_parts()
+    path = os.path.join(tmp_path, "rollouts.log")
+    with RolloutLog(path) as old:
+        old.append(group_records(groups, batches, scores, 1)[0])
+    writer = LogWriter(RolloutLog(path))
+    writer.put(groups, batches, scores, 2)
+    writer.close()
+    assert [g.step for g in logged_groups(path)] == [1, 2]
+
+
 def test_a_rollout_log_write_that_failed_is_raised_by_the_next_call(tmp_path):
     groups, batches, scores = _batch_parts()
     writer = LogWriter(RolloutLog(os.path.join(tmp_path, "rollouts.log")))
-    bad = [dataclasses.replace(scores[0], statuses=np.full(2, len(STATUSES) + 5, dtype=np.uint8))]  # no such status
-    writer.put(groups, batches, bad, 1)
+    writer.log._file.close()  # the file can no longer be written (as a full or vanished disk)
+    writer.put(groups, batches, scores, 1)
     with pytest.raises(RuntimeError, match="rollout log"):
         writer.size()
     with pytest.raises(RuntimeError, match="rollout log"):

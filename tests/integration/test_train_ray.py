@@ -40,11 +40,11 @@ def _metrics(run_dir):
 
 def _exact(run_dir, summary, steps, rollouts_per_step):
     """The records of a finished run are exact: every step once, every consumed completion once."""
-    from threepo.services.codec import RolloutLog
+    from threepo.services.batching import logged_groups
 
     rows = [r for r in _metrics(run_dir) if "reward_mean" in r]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    ids = [s.completion.completion_id for g in RolloutLog.read(os.path.join(run_dir, "rollouts.log"))
+    ids = [s.completion.completion_id for g in logged_groups(os.path.join(run_dir, "rollouts.log"))
            for s in g.completions]
     assert len(ids) == len(set(ids)) == summary["consumed_rollouts"] == summary["admitted_rollouts"]
     assert summary["consumed_rollouts"] == steps * rollouts_per_step and summary["steps"] == steps
@@ -253,9 +253,9 @@ def test_dead_group_aware_exploration_and_dynamic_filter_keep_records_exact(ray_
                "algo.dynamic_filter=true", "algo.filter_replacements=0.5")
     run_dir = make_run_dir(cfg, "train")
     summary = train(cfg, run_dir, tiny_dense_path)
-    from threepo.services.codec import RolloutLog
+    from threepo.services.batching import logged_groups
 
-    groups = list(RolloutLog.read(os.path.join(run_dir, "rollouts.log")))
+    groups = list(logged_groups(os.path.join(run_dir, "rollouts.log")))
     ids = [s.completion.completion_id for g in groups for s in g.completions]
     assert len(ids) == len(set(ids)) == summary["consumed_rollouts"] == 4 * 2 * 8
     assert summary["admitted_rollouts"] == summary["consumed_rollouts"] + summary["dropped_rollouts"]

@@ -17,7 +17,7 @@ import pytest
 from threepo.services import codec, messages
 from threepo.services.codec import RolloutLog, decode, encode
 from threepo.services.messages import (
-    SCHEMA_VERSION, Completion, Group, NoiseSpec, PublishedVersion, RolloutRequest, SamplingParams,
+    SCHEMA_VERSION, Completion, ConsumedStep, Group, NoiseSpec, PublishedVersion, RolloutRequest, SamplingParams,
     ScoredCompletion, TaskItem, VerifyRequest, VerifyResult, VerifyStatus,
 )
 
@@ -63,7 +63,8 @@ SAMPLES = [
                      mean_checksum="5eed"),
 ]
 _SPECS, _BATCHES, _SCORES = batches_from_groups([Group("g7", ITEM, 3, 12, (SCORED, SCORED))])
-SAMPLES += [_SPECS[0], _BATCHES[0], _SCORES[0], report_of(_BATCHES[0])]
+SAMPLES += [_SPECS[0], _BATCHES[0], _SCORES[0], report_of(_BATCHES[0]),
+            ConsumedStep(5, tuple(_SPECS), tuple(_BATCHES), tuple(_SCORES))]
 
 
 def assert_same(a, b, where="msg"):

@@ -303,13 +303,12 @@ def test_sync_budget_measures_drift_not_the_noise_between_slots(sampler, tiny_de
 def test_a_step_that_publishes_on_staleness_anyway_takes_no_drift_forward(sampler, tiny_dense_path):
     learner = _learner(tiny_dense_path, sync=SyncConfig(max_staleness=2))
     groups = _groups(sampler, learner, "c3po", 4, 8)
-    slot_forwards, original = [], learner.opt.sampled_params
+    slot_forwards, original = [], learner._logprobs  # the start-of-step no-grad forwards (inline or beside)
 
-    def spy(seed, train=True, scale=1.0):
-        if not train:
-            slot_forwards.append(seed)
-        return original(seed, train, scale)
-    learner.opt.sampled_params = spy
+    def spy(batch, rows, model=None):
+        slot_forwards.append(len(rows))
+        return original(batch, rows, model)
+    learner._logprobs = spy
     first = _step(learner, groups)  # the drift is measured (nothing fires: the mean barely moved)
     assert not first.publish and len(slot_forwards) == 1 and "kl_k3_drift" in first.metrics
     second = _step(learner, groups)  # steps_since_sync reaches max_staleness: it publishes regardless
@@ -352,3 +351,33 @@ def test_a_c3po_step_with_shared_prefixes_equals_the_plain_forwards(sampler, tin
     assert a.metrics["kl_k3_drift"] > 0  # the drift diagnostic measured something
     for name, m in _means(plain).items():
         torch.testing.assert_close(_means(shared)[name], m, atol=1e-6, rtol=1e-5)
+
+
+def test_the_drift_measured_beside_the_update_equals_the_drift_measured_inline(sampler, tiny_dense_path):
+    # IVON on one rank measures the drift on a copy of the model in a thread of its own, while the
+    # update's gradient is computed; it must give what the inline forward gives, step after step
+    beside, inline = (_learner(tiny_dense_path, sync=SyncConfig(max_staleness=8)) for _ in range(2))
+    assert beside.beside is not None
+    inline.beside = None
+    groups = _groups(sampler, beside, "c3po", 4, 8)
+    for _ in range(3):
+        a, b = _step(beside, groups), _step(inline, groups)
+        assert a.metrics["kl_k3_drift"] == pytest.approx(b.metrics["kl_k3_drift"], rel=1e-6, abs=1e-9)
+        assert a.metrics["ess_frac_drift"] == pytest.approx(b.metrics["ess_frac_drift"], rel=1e-6)
+        assert a.metrics["kl_k3_drift"] > 0 and a.publish == b.publish
+    for name, p in beside.named:  # the updates themselves are the same
+        assert torch.allclose(p, dict(inline.named)[name], atol=1e-7)
+
+
+def test_an_error_in_the_forward_beside_the_update_fails_the_step(sampler, tiny_dense_path, monkeypatch):
+    learner = _learner(tiny_dense_path, sync=SyncConfig(max_staleness=8))
+    groups = _groups(sampler, learner, "c3po", 4, 8)
+    original = learner._logprobs
+
+    def broken(batch, rows, model=None):
+        if model is learner.beside.model:
+            raise RuntimeError("out of memory beside the update")
+        return original(batch, rows, model)
+    monkeypatch.setattr(learner, "_logprobs", broken)
+    with pytest.raises(RuntimeError, match="beside the update"):
+        _step(learner, groups)
