@@ -91,11 +91,25 @@ def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     h = hashlib.blake2b(digest_size=8)
     for name, t in sorted(named, key=lambda kv: kv[0]):
         bits = t.detach().to(torch.float32).contiguous().view(torch.int32).flatten().to(torch.int64)
-        pos = torch.arange(bits.numel(), dtype=torch.int64) % 65521 + 1
         h.update(name.encode())
-        for value in (int(bits.sum()), int((bits * pos).sum())):
+        for value in (int(bits.sum()), _position_weighted_sum(bits)):
             h.update(value.to_bytes(16, "little", signed=True))
     return h.hexdigest()
+
+
+_PERIOD = 65521
+_POSITIONS = torch.arange(_PERIOD, dtype=torch.int64) + 1
+
+
+def _position_weighted_sum(bits: torch.Tensor) -> int:
+    """Σ_i bits[i] · (i mod 65521 + 1) in wrapping int64, as columns of 65521 positions (a fixed
+    weight vector however long the tensor; the same value mod 2^64 as the sum term by term)."""
+    n = bits.numel()
+    if n > _PERIOD:
+        rows = -(-n // _PERIOD)
+        padded = torch.nn.functional.pad(bits, (0, rows * _PERIOD - n)) if n % _PERIOD else bits
+        bits, n = padded.view(rows, _PERIOD).sum(0), _PERIOD
+    return int((bits * _POSITIONS[:n]).sum())
 
 
 _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (golden-ratio multiplier)
