@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from threepo.services import prefix_forward
 from threepo.services.modeling import load_model
 from threepo.services.prefix_forward import prompt_runs, shared_prefix_logits
 
@@ -55,3 +56,39 @@ def test_only_runs_of_rows_with_one_prompt_share_it(tiny_dense_path):
     mask[1] = torch.roll(mask[1], 1)  # row 1 claims a longer prompt than row 0 of its group
     with pytest.raises(ValueError, match="different lengths"):
         shared_prefix_logits(load_model(tiny_dense_path), ids, mask, 2)
+
+
+def test_length_buckets_split_off_long_completions_only_when_that_pads_less():
+    one = prefix_forward.length_buckets(torch.tensor([3, 5, 4, 5]))  # a second pass would cost more
+    assert len(one) == 1 and sorted(one[0].tolist()) == [0, 1, 2, 3]
+    short, long = prefix_forward.length_buckets(torch.tensor([3] * 30 + [40, 2]), extra_pass_tokens=16)
+    assert sorted(long.tolist()) == [30] and sorted(short.tolist()) == list(range(30)) + [31]
+    assert prefix_forward.length_buckets(torch.tensor([7, 7, 7]))[0].tolist() == [0, 1, 2]
+
+
+def test_completions_of_very_different_lengths_run_in_two_passes_with_the_plain_forwards_logits(tiny_dense_path, monkeypatch):
+    model = load_model(tiny_dense_path).train()
+    rng, rows = np.random.default_rng(3), []
+    for g in range(4):  # 4 groups of 8: short completions and one long one
+        prompt = list(rng.integers(2, 70, int(rng.integers(3, 9))))
+        rows += [(prompt, list(rng.integers(2, 70, 40 if (g, k) == (2, 5) else int(rng.integers(1, 4))))) for k in range(8)]
+    width = max(len(p) + len(c) for p, c in rows)
+    ids, attn, mask = (torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long),
+                       torch.zeros(len(rows), width - 1))
+    for i, (p, c) in enumerate(rows):
+        ids[i, :len(p) + len(c)], attn[i, :len(p) + len(c)] = torch.tensor(p + c), 1
+        mask[i, len(p) - 1:len(p) - 1 + len(c)] = 1
+    passes, forward = [], model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: passes.append(k["input_ids"].shape) or forward(*a, **k))
+    shared = shared_prefix_logits(model, ids, mask, 8)
+    assert len(passes) == 3 and passes[-1] == (1, 40)  # prompts, the short rows, the long one
+    plain = forward(input_ids=ids, attention_mask=attn).logits
+    at = mask.bool()
+    torch.testing.assert_close(shared[:, :-1][at], plain[:, :-1][at], atol=1e-5, rtol=1e-5)
+    grads = []
+    for logits in (shared, plain):
+        model.zero_grad()
+        (torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1) * mask).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-4, rtol=1e-4)
