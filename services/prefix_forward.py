@@ -43,12 +43,12 @@ def length_buckets(comp_len: torch.Tensor, extra_pass_tokens: int = 128) -> list
     the short rows (length ≤ L) and the rest, with L chosen to pad the fewest positions, counting a
     second pass as `extra_pass_tokens` positions of its own cost. One set when that pads least."""
     order = torch.argsort(comp_len, stable=True)
-    lengths = comp_len[order]
-    rows, longest = len(lengths), int(lengths[-1]) if len(lengths) else 0
+    lengths = comp_len[order].tolist()
+    rows, longest = len(lengths), lengths[-1] if lengths else 0
     best, cut = rows * longest, rows
     for k in range(1, rows):  # the first k rows of the sorted order are the short set
         if lengths[k] != lengths[k - 1]:
-            cost = k * int(lengths[k - 1]) + (rows - k) * longest + extra_pass_tokens
+            cost = k * lengths[k - 1] + (rows - k) * longest + extra_pass_tokens
             if cost < best:
                 best, cut = cost, k
     return [order] if cut == rows else [order[:cut], order[cut:]]
