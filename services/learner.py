@@ -10,8 +10,8 @@ proximal policy π_prox is the policy at the start of the step at that update's 
 importance weights correct each rollout's behaviour μ (its slot at its version) to π_prox. The sync
 budget acts on the drift of each rollout's own slot rebuilt from the start-of-step posterior, not on
 the exploration noise between slots (off_policy.behaviour_drift); an IVON step that publishes on
-staleness anyway does not measure it, and on one rank its forward runs beside the update's gradient
-(services/proximal.py: `Beside`). As one of R data-parallel ranks (`ranks`,
+staleness anyway does not measure it, and on one CPU rank its forward runs beside the update's
+gradient (services/proximal.py: `Beside`). As one of R data-parallel ranks (`ranks`,
 services/learner_ranks.py) it computes its share of each point's rows, on gradients summed over the
 ranks, and IVON steps only the tensors this rank owns.
 """
@@ -74,9 +74,10 @@ class Learner:
         self.model = load_model(model_path).to(self.device).train()
         self.named = trainable_named_parameters(self.model)
         self.ref_model = load_model(model_path).to(self.device).eval() if algo.kl_coef else None
-        # IVON on one rank: the drift diagnostic's forwards at slot weights run beside the update
-        self.beside = (Beside(self.model, [n for n, _ in self.named])
-                       if optim.name == "ivon" and self.ranks.world == 1 and deepspeed_stage < 0 else None)
+        # IVON on one CPU rank: the drift forwards at slot weights run beside the update (on a GPU the
+        # model copy would cost device memory for a forward that is small there)
+        self.beside = (Beside(self.model, [n for n, _ in self.named]) if optim.name == "ivon" and self.ranks.world == 1
+                       and deepspeed_stage < 0 and self.device.type == "cpu" else None)
         # AdamW's model side through DeepSpeed at ZeRO `deepspeed_stage` (services/learner_deepspeed.py)
         self.engine = (DeepSpeedAdamW(self.model, optim, deepspeed_stage, self.ranks.rank, self.ranks.world)
                        if deepspeed_stage >= 0 else None)
