@@ -86,6 +86,27 @@ def test_checksum_is_order_and_thread_independent():
     assert param_noise.weights_checksum(nudged) != param_noise.weights_checksum(named)
 
 
+def test_the_checksum_position_term_is_the_term_by_term_sum_in_wrapping_int64():
+    # the columns-of-65521 sum must equal Σ_i b_i (i mod 65521 + 1) mod 2^64 for any length, also
+    # where the int64 sums wrap (huge bit patterns over millions of elements)
+    for n, fill in ((1, None), (65521, None), (65522, None), (200_003, None), (5_000_000, -3e38)):
+        t = torch.full((n,), fill) if fill else torch.randn(n, generator=torch.Generator().manual_seed(n))
+        bits = t.view(torch.int32).to(torch.int64)
+        direct = int((bits * (torch.arange(n, dtype=torch.int64) % 65521 + 1)).sum())
+        assert param_noise._position_weighted_sum(bits) == direct
+
+
+def test_a_perturbed_sample_written_in_place_is_bit_identical_to_a_new_one():
+    gen = torch.Generator().manual_seed(1)
+    mean, sigma = torch.randn(300, 7, generator=gen), torch.rand(300, 7, generator=gen) * 1e-2
+    out = torch.empty(300, 7)
+    built = param_noise.perturbed(mean, sigma, 42, "w", 1.5)
+    assert param_noise.perturbed(mean, sigma, 42, "w", 1.5, out=out) is out
+    assert torch.equal(out.view(torch.int32), built.view(torch.int32))
+    reference = mean.clone().addcmul_(sigma, param_noise.noise_like(42, "w", (300, 7)), value=1.5)
+    assert torch.equal(built.view(torch.int32), reference.view(torch.int32))
+
+
 def test_the_lean_qwen2_decoder_gives_transformers_logits(tiny_dense_path):
     from threepo.services.engines.qwen2_decode import LeanQwen2
     from threepo.services.modeling import load_model
