@@ -17,6 +17,7 @@ Not here: how σ is learned (algorithms/ivon.py) or which seeds a version uses (
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Mapping
 
@@ -64,8 +65,9 @@ def load_perturbed(params: Iterable[tuple[str, torch.Tensor]], means: Mapping[st
     """p ← θ̂ = m + c · σ ⊙ z(seed, name) for every (name, p) of `params`, in p's dtype (fp32
     parameters written in place, no copy); `noise` maps names to z already drawn (a caller that
     needs z again), others are drawn here."""
+    noise = noise or {}
     for name, p in params:
-        z = (noise or {}).get(name)
+        z = noise.get(name)
         if p.dtype == torch.float32:
             perturbed(means[name], sigmas[name], seed, name, scale, z=z, out=p.data)
         else:
@@ -98,7 +100,11 @@ def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 
 _PERIOD = 65521
-_POSITIONS = torch.arange(_PERIOD, dtype=torch.int64) + 1
+
+
+@functools.cache
+def _positions() -> torch.Tensor:
+    return torch.arange(_PERIOD, dtype=torch.int64) + 1
 
 
 def _position_weighted_sum(bits: torch.Tensor) -> int:
@@ -109,7 +115,7 @@ def _position_weighted_sum(bits: torch.Tensor) -> int:
         rows = -(-n // _PERIOD)
         padded = torch.nn.functional.pad(bits, (0, rows * _PERIOD - n)) if n % _PERIOD else bits
         bits, n = padded.view(rows, _PERIOD).sum(0), _PERIOD
-    return int((bits * _POSITIONS[:n]).sum())
+    return int((bits * _positions()[:n]).sum())
 
 
 _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (golden-ratio multiplier)
@@ -141,9 +147,11 @@ def served_noise_ratio(mean: torch.Tensor, theta: torch.Tensor, dtype: torch.dty
     """How much of the perturbation survives serving in `dtype`: (‖cast(θ̂) − cast(m)‖², ‖θ̂ − m‖²),
     both in fp32, so that summing over tensors and taking sqrt(a / b) gives the served-noise ratio
     ‖θ̂_served − m_served‖ / ‖σ ⊙ z‖ (1 in fp32; near 0 when σ is below the dtype's spacing)."""
+    intended = float((theta.float() - mean.float()).square().sum())
+    if dtype == torch.float32:  # fp32 serves θ̂ exactly
+        return intended, intended
     served = theta.to(dtype).float() - mean.to(dtype).float()
-    intended = theta.float() - mean.float()
-    return float(served.square().sum()), float(intended.square().sum())
+    return float(served.square().sum()), intended
 
 
 def estimated_noise_ratio(means: Mapping, sigmas: Mapping, dtype: str, *, seed: int,

@@ -160,51 +160,6 @@ class VerifierActor:
         return self.pool.stats()
 
 
-class LogWriter:
-    """The learner's rollout log, written by a thread of its own: a step only queues its consumed
-    groups (their rows still point into the step's arrays); encoding them with those arrays (one
-    `ConsumedStep` record per step) and appending happen behind the next step. `size()` waits for
-    everything queued (a checkpoint records it); a write that failed is raised by the next `put` or
-    `size`."""
-
-    def __init__(self, log) -> None:
-        import queue
-        import threading
-
-        self.log, self.queue, self.error = log, queue.Queue(), None
-        threading.Thread(target=self._run, name="rollout-log", daemon=True).start()
-
-    def put(self, groups, batches, scores, step: int) -> None:
-        self._raise()
-        self.queue.put((groups, batches, scores, step))
-
-    def size(self) -> int:
-        self.queue.join()
-        self._raise()
-        return self.log.size()
-
-    def close(self) -> None:
-        self.size()
-        self.log.close()
-
-    def _raise(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"rollout log {self.log.path}: {self.error}") from self.error
-
-    def _run(self) -> None:
-        from threepo.services.messages import ConsumedStep
-
-        while True:
-            groups, batches, scores, step = self.queue.get()
-            try:
-                if self.error is None:  # arrays as they came: no per-completion objects
-                    self.log.append(ConsumedStep(step, tuple(groups), tuple(batches), tuple(scores)))
-            except Exception as err:  # noqa: BLE001 (kept, raised in the actor's own thread)
-                self.error = err
-            finally:
-                self.queue.task_done()
-
-
 class LearnerActor:
     """The learner service, restored from `checkpoint` when given, plus its metrics, the rollout log
     of consumed groups, its own part of checkpoints and the HF export of the mean."""
@@ -223,7 +178,7 @@ class LearnerActor:
             load_learner(self.learner, checkpoint)
             log_bytes = _read_json(os.path.join(checkpoint, "rollouts.json")).get("bytes", 0)
         if rollout_log:
-            from threepo.services.codec import RolloutLog
+            from threepo.services.codec import LogWriter, RolloutLog
 
             if os.path.exists(rollout_log):  # a resumed run: drop what was logged after the checkpoint
                 os.truncate(rollout_log, log_bytes)

@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from threepo.services.messages import (STATUSES, Completion, CompletionBatch, ConsumedStep, GenerateReport, Group,
-                                       GroupRows,
-                                       RolloutRequest, ScoreBatch, ScoredCompletion, VerifyRequest,
+                                       GroupRows, RolloutRequest, ScoreBatch, ScoredCompletion, VerifyRequest,
                                        VerifyResult, VerifyStatus)
 
 _CODE = {s: i for i, s in enumerate(STATUSES)}

@@ -12,7 +12,8 @@ tuples and lists stay lists, numpy arrays travel as (dtype, shape, raw bytes) an
 
 `RolloutLog` is an append-only file of length-prefixed records with a CRC32 per record. A torn last
 record (the writer died mid-append) is reported and skipped by the reader, and cut off when the log is
-reopened for appending; a bad record anywhere else is corruption and raises.
+reopened for appending; a bad record anywhere else is corruption and raises. `LogWriter` appends
+to one from a thread of its own.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import enum
 import functools
 import logging
 import os
+import queue
 import struct
+import threading
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -195,6 +198,46 @@ class RolloutLog:
         with open(path, "rb") as f:
             for _, payload in _records(f, Path(path)):
                 yield decode(payload)
+
+
+class LogWriter:
+    """A `RolloutLog` written by a thread of its own (the learner's): a step only queues its consumed
+    groups (their rows still point into the step's arrays); encoding them with those arrays (one
+    `ConsumedStep` record per step) and appending happen behind the next step. `size()` waits for
+    everything queued (a checkpoint records it); a write that failed is raised by the next `put` or
+    `size`."""
+
+    def __init__(self, log: RolloutLog) -> None:
+        self.log, self.queue, self.error = log, queue.Queue(), None
+        threading.Thread(target=self._run, name="rollout-log", daemon=True).start()
+
+    def put(self, groups, batches, scores, step: int) -> None:
+        self._raise()
+        self.queue.put((groups, batches, scores, step))
+
+    def size(self) -> int:
+        self.queue.join()
+        self._raise()
+        return self.log.size()
+
+    def close(self) -> None:
+        self.size()
+        self.log.close()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"rollout log {self.log.path}: {self.error}") from self.error
+
+    def _run(self) -> None:
+        while True:
+            groups, batches, scores, step = self.queue.get()
+            try:
+                if self.error is None:  # arrays as they came: no per-completion objects
+                    self.log.append(messages.ConsumedStep(step, tuple(groups), tuple(batches), tuple(scores)))
+            except Exception as err:  # noqa: BLE001 (kept, raised in the caller's thread)
+                self.error = err
+            finally:
+                self.queue.task_done()
 
 
 def _records(f: BinaryIO, path: Path) -> Iterator[tuple[int, bytes]]:

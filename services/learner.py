@@ -237,7 +237,7 @@ class Learner:
     def _logprobs(self, batch: TrainBatch, rows: torch.Tensor, model=None) -> torch.Tensor:
         if not len(rows):
             return batch.logp_behav[rows]  # [0, T]: another rank's rows
-        logits = self._logits(model or self.model, batch, rows)
+        logits = self._logits(self.model if model is None else model, batch, rows)
         return losses.token_logprobs(logits[:, :-1], batch.targets[rows], self.temperature)
 
     def _logits(self, model, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:

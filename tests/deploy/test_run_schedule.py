@@ -8,11 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from threepo.deploy.actors import LogWriter
 from threepo.deploy.config import load_config
 from threepo.deploy.run import may_learn
 from threepo.services.batching import group_records, logged_groups
-from threepo.services.codec import RolloutLog
+from threepo.services.codec import LogWriter, RolloutLog
 
 
 def _loop(learning, *overrides, evaluator=True):
