@@ -10,6 +10,7 @@ assert timings.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -80,9 +81,9 @@ def train_run(model: str, overrides, label: str, recipe: str | None = None, held
     train` starts, without its restore loop) in a temporary directory (or under `runs_dir`, kept).
     Returns its summary, metrics rows, each sampler's stats at the end (`sampler_stats`), the time
     for every role to be constructed (`startup_s`: processes, imports, models loaded), the wall time
-    of `run()` after that (`run_wall_s`), from 3 steps on the loop figures (`loop_figures`), and with
-    `heldout=True` the held-out report of its final checkpoint, evaluated as `threepo eval` does."""
-    import contextlib
+    of `run()` after that (`run_wall_s`), from 3 steps on the loop figures (`loop_figures`), the CPU
+    each role's processes used during `run()` (`cpu`: `CpuMeter`), and with `heldout=True` the
+    held-out report of its final checkpoint, evaluated as `threepo eval` does."""
     import time
 
     import ray
@@ -104,9 +105,11 @@ def train_run(model: str, overrides, label: str, recipe: str | None = None, held
             actors = [roles.posterior, roles.learner, *roles.samplers, *roles.verifiers]
             ray.get([a.__ray_ready__.remote() for a in actors])  # every role constructed: its model loaded
             startup = time.monotonic() - started
+            meter = CpuMeter(roles)
             started = time.monotonic()
             summary = run(cfg, run_dir, roles)
             wall = time.monotonic() - started
+            cpu = meter.stop(wall, summary["steps"])
             stats = ray.get([s.stats.remote() for s in roles.samplers])
         finally:
             stop_roles(roles)
@@ -115,10 +118,57 @@ def train_run(model: str, overrides, label: str, recipe: str | None = None, held
             rows = [json.loads(line) for line in f]
     out = {"label": label, "summary": {k: v for k, v in summary.items() if k != "report"}, "startup_s": startup,
            "run_wall_s": wall,
-           "rows": rows, "sampler_stats": stats, **(loop_figures(rows) if len(rows) >= 3 else {})}
+           "rows": rows, "sampler_stats": stats, "cpu": cpu, **(loop_figures(rows) if len(rows) >= 3 else {})}
     if report is not None:
         out["heldout"] = report.__dict__
     return out
+
+
+class CpuMeter:
+    """CPU seconds (user + system, all threads) each role's processes, the driver's process and the
+    whole machine use from construction to `stop`. For runs on one machine: actors' processes are
+    found by pid (psutil), so roles on other nodes, or started during the run, are not counted (a
+    process that exits counts what it had used when last read)."""
+
+    def __init__(self, roles) -> None:
+        import psutil
+        import ray
+
+        learners = getattr(roles.learner, "ranks", [roles.learner])  # R ranks: a LearnerGroup
+        handles = {"learner": learners, "samplers": roles.samplers, "verifiers": roles.verifiers,
+                   "posterior": [roles.posterior]}
+        pids = {role: ray.get([h.__ray_call__.remote(lambda _: os.getpid()) for h in hs])
+                for role, hs in handles.items()}
+        self.procs = {role: [psutil.Process(p) for p in ps] for role, ps in pids.items()}
+        self.procs["driver"] = [psutil.Process()]
+        self.last: dict = {}
+        self.start = self._sample()
+
+    def _sample(self) -> dict[str, float]:
+        import psutil
+
+        for p in (p for procs in self.procs.values() for p in procs):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                self.last[p.pid] = sum(p.cpu_times()[:2])
+        used = {role: sum(self.last.get(p.pid, 0.0) for p in procs) for role, procs in self.procs.items()}
+        machine = psutil.cpu_times()
+        used["machine"] = sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)
+        return used
+
+    def stop(self, wall_s: float, steps: int) -> dict:
+        """{'per_step_s': CPU seconds per learner step of each role, the driver, 'other' (the rest of
+        the machine: Ray's own processes, anything else) and 'total'; 'machine_busy': the machine's
+        busy share of all its cores over `wall_s`; 'cores'}."""
+        import psutil
+
+        end = self._sample()
+        used = {k: end[k] - self.start[k] for k in end}
+        machine = used.pop("machine")
+        per_step = {k: v / max(steps, 1) for k, v in used.items()}
+        per_step["other"] = max(machine - sum(used.values()), 0.0) / max(steps, 1)
+        per_step["total"] = machine / max(steps, 1)
+        cores = psutil.cpu_count()
+        return {"per_step_s": per_step, "machine_busy": machine / (wall_s * cores), "cores": cores}
 
 
 def loop_figures(rows: list[dict]) -> dict:

@@ -36,7 +36,9 @@ that wall,
 and the held-out pass@1 of the final checkpoint (TRL's saved with `save_model` as an HF checkpoint),
 each evaluated the same way as `threepo eval model.path=<final dir>` (`deploy.cli.evaluate_policy`:
 the configured held-out items and samples), plus the starting checkpoint's. Ratios are threepo / TRL
-(and C3PO / GRPO: wall at equal rollouts and learner step);
+(and C3PO / GRPO: wall at equal rollouts, learner step and machine CPU per step). For the threepo
+sides, the CPU each role's processes used per learner step (`_common.CpuMeter`) and the machine's
+busy share: when every core is busy, the pace follows the total CPU per step, not one role's;
 the pass@1 difference is printed beside two standard errors of a difference of two pass@1 figures
 over the held-out items (items as the unit, which overstates the noise of several samples per item).
 
@@ -199,11 +201,20 @@ def main() -> None:
         print(f"{name}: completions/s {r['completions_per_s']:.2f}x (target >= 1.3x), wall {r['wall']:.2f}x, "
               f"held-out pass@1 {r['heldout_pass1_diff']:+.3f} (noise: 2 standard errors of a difference over "
               f"{base.eval.num_items} items = {r['noise_2se']:.3f})")
+    roles = ("learner", "samplers", "verifiers", "posterior", "driver", "other", "total")
+    cpu_rows = [[side, *(1e3 * runs[side]["cpu"]["per_step_s"][k] for k in roles), runs[side]["cpu"]["machine_busy"]]
+                for side in ("grpo", "c3po") if side in runs]
+    if cpu_rows:  # on a box whose cores are all busy, pace follows the total, not one role's share
+        _common.table(f"CPU ms per learner step by role ({cpu_rows and runs[cpu_rows[0][0]]['cpu']['cores']} cores)",
+                      ["run", *roles, "machine busy"], cpu_rows)
     if "grpo" in runs and "c3po" in runs:  # issue 10: C3PO's cost at equal rollouts, target <= 1.05
         ratios["c3po/grpo"] = {name: runs["c3po"][key] / runs["grpo"][key]
                                for name, key in (("wall", "wall_s"), ("learner_step", "learner_step_s"))}
+        ratios["c3po/grpo"]["cpu_per_step"] = (runs["c3po"]["cpu"]["per_step_s"]["total"]
+                                               / runs["grpo"]["cpu"]["per_step_s"]["total"])
         print(f"c3po/grpo: wall {ratios['c3po/grpo']['wall']:.2f}x at equal rollouts (target <= 1.05), "
-              f"learner step {ratios['c3po/grpo']['learner_step']:.2f}x")
+              f"learner step {ratios['c3po/grpo']['learner_step']:.2f}x, "
+              f"machine CPU per step {ratios['c3po/grpo']['cpu_per_step']:.2f}x")
     _common.write_results("vs_trl", {
         "model": model, "budget_rollouts": budget, "max_new_tokens": base.sampler.max_new_tokens,
         "start_heldout": start.__dict__, "ratios": ratios,
