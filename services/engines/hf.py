@@ -7,7 +7,9 @@ draws from the counter stream of its own request seed, so a request reproduces e
 else is in the batch. Weights are served in place: the parameters' storage never changes, so the
 fingerprint check reads exactly what the forward pass uses. `generate_slots` samples several slots
 in shared forward passes instead (dense Qwen2): the lean decoder stacks the slots' θ̂ and decodes each
-row under its own slot, and its weight check fingerprints each slot's stacked tensors.
+row under its own slot, and its weight check fingerprints each slot's stacked tensors. On the lean
+decoder a prompt repeated under one slot (a request's n samples) is prefilled once, and its keys,
+values and logits are copied to each of its rows.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def _stepper(model: PreTrainedModel, input_ids: torch.Tensor, attn: torch.Tensor
         def lean_step(tok):
             if tok is None:
                 at["len"] = width
-                return lean.forward(input_ids, positions, cache, 0, keys)
+                return _shared_prefill(lean, input_ids, positions, cache, keys)
             keys[:, at["len"]] = True
             at["pos"] = at["pos"] + 1
             logits = lean.forward(tok[:, None], at["pos"], cache, at["len"], keys)
@@ -103,6 +105,42 @@ def _stepper(model: PreTrainedModel, input_ids: torch.Tensor, attn: torch.Tensor
                                  **{cache_kwarg: getattr(state["out"], cache_kwarg)}, use_cache=True)
         return state["out"].logits[:, -1]
     return hf_step
+
+
+def _shared_prefill(lean: LeanQwen2, input_ids: torch.Tensor, positions: torch.Tensor, cache: list,
+                    keys: torch.Tensor) -> torch.Tensor:
+    """The prompt's logits [B, V], its keys and values written into `cache`, with each distinct
+    (prompt, weight slot) computed once: rows that repeat a prompt under the same slot (a request's
+    n samples) take its keys, values and logits. Per row it is the same computation as the whole
+    batch's prefill, so it equals it to fp32 rounding (the matmuls' blocking depends on the rows)."""
+    width = input_ids.shape[1]
+    shared = _distinct_rows(torch.cat([input_ids, keys[:, :width]], 1), lean.n_slots)
+    if shared is None:
+        return lean.forward(input_ids, positions, cache, 0, keys)
+    first, inverse = shared
+    small = lean.new_cache(len(first), width, cache[0][0].dtype)
+    logits = lean.forward(input_ids[first], positions[first], small, 0, keys[first])
+    for (k, v), (k_small, v_small) in zip(cache, small):
+        k[:, :, :width], v[:, :, :width] = k_small[inverse], v_small[inverse]
+    return logits[inverse]
+
+
+def _distinct_rows(rows: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For `rows` [B, W] in `slots` equal consecutive blocks (one per weight slot): the first row of
+    each distinct row of each block, U per block (U the most distinct rows of any block; a block with
+    fewer repeats its first), and each row's index among those S·U; None if no block repeats a row."""
+    b = len(rows) // slots
+    blocks = [torch.unique(rows[s * b:(s + 1) * b], dim=0, return_inverse=True)[1] for s in range(slots)]
+    distinct = max(int(inv.max()) + 1 for inv in blocks)
+    if distinct == b:
+        return None
+    first, inverse = [], []
+    for s, inv in enumerate(blocks):
+        at = torch.full((distinct,), b, dtype=torch.long).scatter_reduce_(0, inv, torch.arange(b), "amin")
+        at[at == b] = at[0]  # this block has fewer distinct rows: repeat its first
+        first.append(s * b + at)
+        inverse.append(s * distinct + inv)
+    return torch.cat(first), torch.cat(inverse)
 
 
 def _cache_kwarg(model: PreTrainedModel) -> str:

@@ -167,3 +167,40 @@ def test_stacked_slot_weights_corrupted_are_flagged_then_rebuilt(tiny_dense_path
     first, second = engine.generate_slots(groups, params)
     assert first[0].loaded_ok and first[1] and second[0].loaded_ok and not second[1]
     assert all(r.loaded_ok and unchanged for r, unchanged, _ in engine.generate_slots(groups, params))
+
+
+def test_distinct_rows_are_found_per_weight_slot():
+    from threepo.services.engines.hf import _distinct_rows
+
+    rows = torch.tensor([[1, 2], [1, 2], [3, 4], [1, 2],    # slot 0: two distinct rows
+                         [5, 5], [5, 5], [5, 5], [5, 5]])   # slot 1: one, repeated
+    first, inverse = _distinct_rows(rows, slots=2)
+    assert len(first) == 4 and (first[:2] < 4).all() and (first[2:] >= 4).all()  # U = 2 per slot
+    assert torch.equal(rows[first][inverse], rows)
+    assert (inverse[:4] < 2).all() and (inverse[4:] >= 2).all()  # a row stays under its own slot
+    assert _distinct_rows(torch.tensor([[1], [2], [1], [2]]), slots=2) is None  # nothing repeats in a slot
+
+
+def test_a_shared_prefill_gives_every_row_its_own_logits_and_cache(tiny_dense_path):
+    from threepo.services.engines.hf import _shared_prefill
+    from threepo.services.engines.qwen2_decode import LeanQwen2
+    from threepo.services.modeling import load_model
+
+    model = load_model(tiny_dense_path).eval()
+    noisy = {n: p.detach() + 0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
+             for i, (n, p) in enumerate(model.named_parameters())}
+    lean = LeanQwen2(model, [{}, noisy])  # slot 1 is another policy: its rows must not share slot 0's
+    ids = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9], [0, 5, 6],
+                        [0, 5, 6], [7, 8, 9], [7, 8, 9], [7, 8, 9]])
+    keys = torch.zeros(8, 5, dtype=torch.bool)
+    keys[:, :3] = ids != 0
+    positions = (keys[:, :3].long().cumsum(-1) - 1).clamp(min=0)
+    plain_cache, shared_cache = lean.new_cache(8, 5, torch.float32), lean.new_cache(8, 5, torch.float32)
+    with torch.no_grad():
+        plain = lean.forward(ids, positions, plain_cache, 0, keys)
+        shared = _shared_prefill(lean, ids, positions, shared_cache, keys)
+    torch.testing.assert_close(shared, plain, atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(shared[0], shared[4])  # the same prompt under two slots differs
+    for (k, v), (k_shared, v_shared) in zip(plain_cache, shared_cache):
+        torch.testing.assert_close(k_shared, k, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(v_shared, v, atol=1e-6, rtol=1e-6)
