@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -47,7 +47,7 @@ def price_hessian_estimate(avg_nxg: torch.Tensor, hess: torch.Tensor, ess: float
 
     Shapes: avg_nxg [*], hess [*] -> [*]. Often negative for a single sample; see `hessian_update`.
     """
-    return ess * (hess + weight_decay) * avg_nxg
+    return (hess + weight_decay).mul_(avg_nxg).mul_(ess)
 
 
 def gradsq_hessian_estimate(avg_gsq: torch.Tensor, ess: float) -> torch.Tensor:
@@ -64,12 +64,13 @@ def hessian_update(hess: torch.Tensor, hess_est: torch.Tensor, beta2: float,
     Shapes: hess [*], hess_est [*] -> [*].
     """
     a = 1.0 - beta2
-    return beta2 * hess + a * hess_est + 0.5 * a * a * (hess - hess_est) ** 2 / (hess + weight_decay)
+    gap = hess - hess_est
+    return torch.add(hess * beta2, hess_est, alpha=a).addcmul_(gap, gap / (hess + weight_decay), value=0.5 * a * a)
 
 
 def momentum_update(momentum: torch.Tensor, grad: torch.Tensor, beta1: float) -> torch.Tensor:
     """g_m ← β1 g_m + (1 − β1) ḡ   (§1.2; ḡ the mean gradient over the K samples). [*] -> [*]."""
-    return beta1 * momentum + (1.0 - beta1) * grad
+    return torch.add(momentum * beta1, grad, alpha=1.0 - beta1)
 
 
 def mean_step(mean: torch.Tensor, momentum: torch.Tensor, hess: torch.Tensor, *, lr: float,
@@ -83,8 +84,8 @@ def mean_step(mean: torch.Tensor, momentum: torch.Tensor, hess: torch.Tensor, *,
     assert step >= 1, f"step counts from 1 after the first update, got {step}"
     alpha = lr * (hess_init + weight_decay) if rescale_lr else lr
     debias_b = 1.0 - beta1**step if debias else 1.0
-    direction = (momentum / debias_b + weight_decay * mean) / (hess + weight_decay)
-    return mean - alpha * direction.clamp(-clip_radius, clip_radius)
+    direction = torch.add(momentum / debias_b, mean, alpha=weight_decay).div_(hess + weight_decay)
+    return torch.add(mean, direction.clamp_(-clip_radius, clip_radius), alpha=-alpha)
 
 
 def _check_hyper(lr, ess, hess_init, beta1, beta2, weight_decay, clip_radius, hess_approx) -> None:
@@ -141,18 +142,20 @@ class IVON(torch.optim.Optimizer):
         return held[2]
 
     @contextlib.contextmanager
-    def sampled_params(self, seed: int | None, train: bool = True, scale: float = 1.0) -> Iterator[None]:
-        """Write θ̂ = m + c · σ ⊙ z(seed, name) into p.data (cast to its dtype), yield, restore m.
-
+    def sampled_params(self, seed: int | None, train: bool = True, scale: float = 1.0,
+                       noise: Mapping[str, torch.Tensor] | None = None) -> Iterator[None]:
+        """Write θ̂ = m + c · σ ⊙ z(seed, name) into p.data (cast to its dtype), yield, restore m; z of
+        the names in `noise` as drawn there beforehand (`param_noise.noise_like`), the rest drawn here.
         With train=True (z drawn once) the gradients left by the body are folded into the running (Welford)
         means ḡ = mean_k ĝ_k and mean_k ε_k ⊙ ĝ_k (or ĝ_k²), then zeroed (§1.2). If the body
         raises, nothing is accumulated; p.data is restored from the fp32 mean in every case.
         `scale` (c, a slot's σ multiplier) rebuilds a scaled slot for evaluation only: the Price
-        estimate assumes ε ~ N(0, σ²), so a training sample must have c = 1.
-        """
+        estimate assumes ε ~ N(0, σ²), so a training sample must have c = 1."""
         if train and scale != 1.0:
             raise ValueError(f"sampled_params: a training sample needs scale 1 (ε ~ N(0, σ²)), got {scale}")
-        noise = {name: noise_like(seed, name, p.shape) for name, p in self._named()} if train and seed is not None else {}
+        noise = dict(noise or {})
+        if train and seed is not None:  # z is kept until the sample is folded in
+            noise.update((name, noise_like(seed, name, p.shape)) for name, p in self._named() if name not in noise)
         try:
             load_perturbed(self._named(), self.mean_by_name(), self.sigma_by_name(), seed, scale, noise)
             yield
@@ -200,18 +203,15 @@ class IVON(torch.optim.Optimizer):
             raise RuntimeError("IVON.step() without a gradient sample: backward inside sampled_params(seed)")
         group = self.param_groups[0]
         group["step"] += 1
+        hyper = {k: group[k] for k in ("lr", "step", "beta1", "weight_decay", "hess_init", "clip_radius",
+                                       "rescale_lr", "debias")}
         for name, p in self._named():
             st, avg = self.state[name], self._avg[name]
             st["momentum"] = momentum_update(st["momentum"], avg["grad"], group["beta1"])
-            if group["hess_approx"] == "price":
-                est = price_hessian_estimate(avg["nxg"], st["hess"], group["ess"], group["weight_decay"])
-            else:
-                est = gradsq_hessian_estimate(avg["gsq"], group["ess"])
+            est = (price_hessian_estimate(avg["nxg"], st["hess"], group["ess"], group["weight_decay"])
+                   if group["hess_approx"] == "price" else gradsq_hessian_estimate(avg["gsq"], group["ess"]))
             st["hess"] = hessian_update(st["hess"], est, group["beta2"], group["weight_decay"])
-            st["mean"] = mean_step(
-                st["mean"], st["momentum"], st["hess"], lr=group["lr"], step=group["step"],
-                beta1=group["beta1"], weight_decay=group["weight_decay"], hess_init=group["hess_init"],
-                clip_radius=group["clip_radius"], rescale_lr=group["rescale_lr"], debias=group["debias"])
+            st["mean"] = mean_step(st["mean"], st["momentum"], st["hess"], **hyper)
             p.copy_(st["mean"])
         self._reset_samples()
 

@@ -6,8 +6,9 @@ each rollout's behaviour log-probs with its own slot rebuilt from (m₀, σ₀) 
 multiplier c (θ̂ = m₀ + c · σ₀ ⊙ z(seed); gradient points have c = 1). The learner computes
 these once, before the weights move, row by row into one [B, T] tensor per seed; rows asked for
 twice are computed once; `Beside` computes those only the drift diagnostic needs on a copy of the
-model in a thread of its own, beside the update's gradient, and `drift_metrics` compares them with
-the behaviour log-probs. Not here: what each forward computes (services/learner.py).
+model in a thread of its own, beside the update's gradient (and draws the next step's gradient
+noise there), and `drift_metrics` compares them with the behaviour log-probs. Not here: what each
+forward computes (services/learner.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from threepo.algorithms import off_policy
-from threepo.algorithms.param_noise import load_perturbed
+from threepo.algorithms.param_noise import load_perturbed, noise_like
 
 
 class StartLogprobs:
@@ -88,15 +89,17 @@ def _slot_drift(batch, start: StartLogprobs, measured: torch.Tensor) -> dict:
 
 class Pending:
     """Start-of-step log-probs being computed beside the update; `join` waits for them and files
-    them into the step's `StartLogprobs` (once; a later join does nothing). Errors propagate."""
+    them into the step's `StartLogprobs` (once; a later join does nothing), and keeps the noise
+    drawn ahead for a later gradient point in `ahead` ((seed, {name: z}) or None). Errors propagate."""
 
     def __init__(self, future: Future | None = None) -> None:
-        self.future = future
+        self.future, self.ahead = future, None
 
     def join(self, start: StartLogprobs) -> None:
         if self.future is not None:
             future, self.future = self.future, None
-            for (seed, scale), rows, logp in future.result():
+            results, self.ahead = future.result()
+            for (seed, scale), rows, logp in results:
                 start.put(seed, rows, logp, scale)
 
 
@@ -113,17 +116,19 @@ class Beside:
         self.named = [(n, params[n]) for n in names]
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="learner-beside")
 
-    def start(self, logprobs: Callable, batch, points: dict, opt) -> Pending:
+    def start(self, logprobs: Callable, batch, points: dict, opt, ahead: int | None = None) -> Pending:
         """Computes `logprobs(batch, rows, model)` at θ̂(seed, c) from IVON `opt`'s current (m, σ) for
-        each ((seed, c), rows) of `points`, on this copy of the model, in the thread."""
+        each ((seed, c), rows) of `points`, on this copy of the model, in the thread; then, with
+        `ahead`, draws z(ahead, name) of every parameter for a gradient point to come."""
         means, sigmas = opt.mean_by_name(), opt.sigma_by_name()
 
-        def work() -> list:
+        def work() -> tuple[list, tuple | None]:
             torch.set_flush_denormal(True)  # per thread, as the learner's own
             out = []
             with torch.no_grad():
                 for (seed, scale), rows in points.items():
                     load_perturbed(self.named, means, sigmas, seed, scale)
                     out.append(((seed, scale), rows, logprobs(batch, rows, self.model)))
-            return out
+            noise = None if ahead is None else (ahead, {n: noise_like(ahead, n, p.shape) for n, p in self.named})
+            return out, noise
         return Pending(self.pool.submit(work))

@@ -92,10 +92,10 @@ def _train_seeds(learner) -> list:
     """Records the seed of every IVON training sample the learner takes (sampled_params, train=True)."""
     seen, original = [], learner.opt.sampled_params
 
-    def spy(seed, train=True, scale=1.0):
+    def spy(seed, train=True, scale=1.0, noise=None):
         if train:
             seen.append(seed)
-        return original(seed, train, scale)
+        return original(seed, train, scale, noise)
     learner.opt.sampled_params = spy
     return seen
 
@@ -367,6 +367,23 @@ def test_the_drift_measured_beside_the_update_equals_the_drift_measured_inline(s
         assert a.metrics["kl_k3_drift"] > 0 and a.publish == b.publish
     for name, p in beside.named:  # the updates themselves are the same
         assert torch.allclose(p, dict(inline.named)[name], atol=1e-7)
+
+
+def test_the_next_steps_gradient_noise_is_drawn_beside_and_taken_from_there(sampler, tiny_dense_path, monkeypatch):
+    from threepo.algorithms import ivon, param_noise
+
+    learner = _learner(tiny_dense_path, sync=SyncConfig(max_staleness=8))
+    groups = _groups(sampler, learner, "c3po", 4, 8)
+    _step(learner, groups)
+    seed, drawn = learner.noise_ahead
+    assert seed == update_seed(learner.algo.seed, 1, 0)
+    for name, p in learner.named:
+        assert torch.equal(drawn[name], param_noise.noise_like(seed, name, p.shape))
+    trained_at, drawn_here = _train_seeds(learner), []
+    monkeypatch.setattr(ivon, "noise_like", lambda s, n, shape: drawn_here.append(s) or param_noise.noise_like(s, n, shape))
+    _step(learner, groups)
+    assert trained_at == [seed] and seed not in drawn_here  # trained at that point, with the z drawn ahead
+    assert learner.noise_ahead[0] == update_seed(learner.algo.seed, 2, 0)
 
 
 def test_an_error_in_the_forward_beside_the_update_fails_the_step(sampler, tiny_dense_path, monkeypatch):
