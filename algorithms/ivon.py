@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 
 import torch
 
@@ -142,10 +142,8 @@ class IVON(torch.optim.Optimizer):
         return held[2]
 
     @contextlib.contextmanager
-    def sampled_params(self, seed: int | None, train: bool = True, scale: float = 1.0,
-                       noise: Mapping[str, torch.Tensor] | None = None) -> Iterator[None]:
-        """Write θ̂ = m + c · σ ⊙ z(seed, name) into p.data (cast to its dtype), yield, restore m; z of
-        the names in `noise` as drawn there beforehand (`param_noise.noise_like`), the rest drawn here.
+    def sampled_params(self, seed: int | None, train: bool = True, scale: float = 1.0) -> Iterator[None]:
+        """Write θ̂ = m + c · σ ⊙ z(seed, name) into p.data (cast to its dtype), yield, restore m.
         With train=True (z drawn once) the gradients left by the body are folded into the running (Welford)
         means ḡ = mean_k ĝ_k and mean_k ε_k ⊙ ĝ_k (or ĝ_k²), then zeroed (§1.2). If the body
         raises, nothing is accumulated; p.data is restored from the fp32 mean in every case.
@@ -153,9 +151,7 @@ class IVON(torch.optim.Optimizer):
         estimate assumes ε ~ N(0, σ²), so a training sample must have c = 1."""
         if train and scale != 1.0:
             raise ValueError(f"sampled_params: a training sample needs scale 1 (ε ~ N(0, σ²)), got {scale}")
-        noise = dict(noise or {})
-        if train and seed is not None:  # z is kept until the sample is folded in
-            noise.update((name, noise_like(seed, name, p.shape)) for name, p in self._named() if name not in noise)
+        noise = {name: noise_like(seed, name, p.shape) for name, p in self._named()} if train and seed is not None else {}
         try:
             load_perturbed(self._named(), self.mean_by_name(), self.sigma_by_name(), seed, scale, noise)
             yield

@@ -125,10 +125,10 @@ def train_run(model: str, overrides, label: str, recipe: str | None = None, held
 
 
 class CpuMeter:
-    """CPU seconds (user + system, all threads) each role's processes, the driver's process and the
-    whole machine use from construction to `stop`. For runs on one machine: actors' processes are
-    found by pid (psutil), so roles on other nodes, or started during the run, are not counted (a
-    process that exits counts what it had used when last read)."""
+    """CPU seconds (user + system, all threads) each role's processes (and their child processes),
+    the driver's process and the whole machine use from construction to `stop`. For runs on one
+    machine: actors' processes are found by pid (psutil), so roles on other nodes, or started during
+    the run, are not counted (a process that exits counts what it had used when last read)."""
 
     def __init__(self, roles) -> None:
         import psutil
@@ -140,6 +140,9 @@ class CpuMeter:
         pids = {role: ray.get([h.__ray_call__.remote(lambda _: os.getpid()) for h in hs])
                 for role, hs in handles.items()}
         self.procs = {role: [psutil.Process(p) for p in ps] for role, ps in pids.items()}
+        # a role's own helper processes count as its (the learner's drift process: services/beside.py)
+        self.procs = {role: [q for p in procs for q in (p, *p.children(recursive=True))]
+                      for role, procs in self.procs.items()}
         self.procs["driver"] = [psutil.Process()]
         self.last: dict = {}
         self.start = self._sample()

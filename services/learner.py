@@ -10,8 +10,8 @@ proximal policy π_prox is the policy at the start of the step at that update's 
 importance weights correct each rollout's behaviour μ (its slot at its version) to π_prox. The sync
 budget acts on the drift of each rollout's own slot rebuilt from the start-of-step posterior, not on
 the exploration noise between slots (off_policy.behaviour_drift); an IVON step that publishes on
-staleness anyway does not measure it, and on one CPU rank its forward runs beside the update's
-gradient (services/proximal.py: `Beside`). As one of R data-parallel ranks (`ranks`,
+staleness anyway does not measure it, and on one CPU rank (`beside`) its forward runs in a process
+of its own beside the update (services/beside.py). As one of R data-parallel ranks (`ranks`,
 services/learner_ranks.py) it computes its share of each point's rows, on gradients summed over the
 ranks, and IVON steps only the tensors this rank owns.
 """
@@ -28,7 +28,7 @@ import torch
 
 from threepo.algorithms import advantages as adv_math
 from threepo.algorithms import losses, off_policy
-from threepo.algorithms.exploration import gradient_points, update_seed
+from threepo.algorithms.exploration import gradient_points
 from threepo.algorithms.ivon import IVON
 from threepo.algorithms.param_noise import weights_checksum
 from threepo.algorithms.rouge import rouge_l_rewards
@@ -39,8 +39,9 @@ from threepo.services.learner_ranks import Ranks, SingleRank
 from threepo.services.batching import MALFORMED, TrainBatch, collate
 from threepo.services.messages import CompletionBatch, GroupRows, PublishedVersion, ScoreBatch
 from threepo.services.modeling import load_model, trainable_named_parameters
-from threepo.services.prefix_forward import prompt_runs, shared_prefix_logits
-from threepo.services.proximal import Beside, Pending, StartLogprobs, drift_metrics, drift_sample
+from threepo.services.beside import BesideProcess, Pending
+from threepo.services.prefix_forward import prompt_runs, row_logits
+from threepo.services.proximal import StartLogprobs, drift_metrics, drift_sample
 from threepo.services.vp2o_hooks import VP2OConfig, VP2OHooks
 
 
@@ -64,7 +65,7 @@ class Learner:
     def __init__(self, model_path: str, algo: AlgoConfig, optim: OptimConfig, sync: SyncConfig, *,
                  temperature: float, max_new_tokens: int, threads: int = 1,
                  vp2o: VP2OConfig | None = None, ranks: Ranks | None = None, device: str = "cpu",
-                 deepspeed_stage: int = -1, shared_prefix: bool = True) -> None:
+                 deepspeed_stage: int = -1, shared_prefix: bool = True, beside: bool = False) -> None:
         torch.set_num_threads(threads)
         # a confident policy's softmax underflows into denormals, which made CPU steps ~1.8x slower
         torch.set_flush_denormal(True)
@@ -74,17 +75,16 @@ class Learner:
         self.model = load_model(model_path).to(self.device).train()
         self.named = trainable_named_parameters(self.model)
         self.ref_model = load_model(model_path).to(self.device).eval() if algo.kl_coef else None
-        # IVON on one CPU rank: the drift forwards at slot weights run beside the update (on a GPU the
-        # model copy would cost device memory for a forward that is small there)
-        self.beside = (Beside(self.model, [n for n, _ in self.named]) if optim.name == "ivon" and self.ranks.world == 1
-                       and deepspeed_stage < 0 and self.device.type == "cpu" else None)
+        # IVON on one CPU rank: the drift forwards at slot weights run in a process beside the update
+        # (on a GPU its model copy would cost device memory for a forward that is small there)
+        self.beside = (BesideProcess(model_path, self.named, temperature) if beside and optim.name == "ivon"
+                       and self.ranks.world == 1 and deepspeed_stage < 0 and self.device.type == "cpu" else None)
         # AdamW's model side through DeepSpeed at ZeRO `deepspeed_stage` (services/learner_deepspeed.py)
         self.engine = (DeepSpeedAdamW(self.model, optim, deepspeed_stage, self.ranks.rank, self.ranks.world)
                        if deepspeed_stage >= 0 else None)
         self.opt = self.engine.optimizer if self.engine else self._make_optimizer()
         self.vp2o = VP2OHooks(self.model, vp2o or VP2OConfig()) if algo.vp2o else None
         self.step_count, self.steps_since_sync = 0, 0
-        self.noise_ahead: tuple | None = None  # (seed, {name: z}) of the next step's θ̂′, drawn by `beside`
         self.shared_prefix = shared_prefix and not algo.vp2o  # VP2O's hooks count the tokens they route
 
     def _make_optimizer(self):
@@ -113,8 +113,7 @@ class Learner:
         for u, points in enumerate(updates):
             for seed, rows in points:
                 mine = self.ranks.mine(rows, size)  # all rows alone; this rank's groups of them among R
-                ahead = self.noise_ahead[1] if self.noise_ahead and self.noise_ahead[0] == seed else None
-                with self._at(seed, noise=ahead):
+                with self._at(seed):
                     metrics, logp = self._backward(batch, mine, advantages[mine], start.get(seed, mine))
                 if u == 0:
                     start.put(seed, mine, logp)  # update 0 runs at the start weights: its own π_prox
@@ -122,7 +121,6 @@ class Learner:
             pending.join(start)  # before the first optimizer step moves (m, σ)
             vp2o_metrics = self._vp2o_step() if self.vp2o else self._optimizer_step()
         pending.join(start)
-        self.noise_ahead = pending.ahead
         self.ranks.share_logprobs(start, [((s, 1.0), r) for s, r in updates[0]] if updates and not lampo else [])
         self.step_count += 1
         self.steps_since_sync += 1
@@ -184,12 +182,11 @@ class Learner:
                 updates.append([(seed, rows[torch.tensor(at)]) for seed, at in points])
         return updates
 
-    def _at(self, seed: int | None, train: bool = True, scale: float = 1.0, noise: dict | None = None):
+    def _at(self, seed: int | None, train: bool = True, scale: float = 1.0):
         """Context placing the model at θ̂ = m + c · σ ⊙ z(seed), c = `scale` (IVON; c ≠ 1 only to
-        rebuild a scaled slot, never to train; `noise`: z(seed) already drawn) or leaving it as it
-        is (AdamW)."""
+        rebuild a scaled slot, never to train) or leaving it as it is (AdamW)."""
         ivon = self.optim_cfg.name == "ivon"
-        return self.ranks.sampled(self.opt, self.named, seed, train, scale, noise) if ivon else contextlib.nullcontext()
+        return self.ranks.sampled(self.opt, self.named, seed, train, scale) if ivon else contextlib.nullcontext()
 
     def _start_logprobs(self, batch: TrainBatch, updates: list, measured: torch.Tensor) -> tuple[StartLogprobs, Pending]:
         """Token log-probs at the start of the step (no grad), for every point that needs them before
@@ -197,8 +194,8 @@ class Learner:
         at the current (m, σ) with the slot's own σ multiplier c for the drift diagnostic, and for
         LamPO also update 0's π_prox (Δs comes first). Update 0's π_prox is otherwise its own first
         forward (stored by `step`). Points are (seed, c); gradient points have c = 1. Points only the
-        drift diagnostic needs are computed beside the update when the learner can (`Beside`): they
-        are in `start` once the returned `Pending` is joined."""
+        drift diagnostic needs are computed beside the update when the learner can (`BesideProcess`,
+        once it has loaded its model): they are in `start` once the returned `Pending` is joined."""
         lampo, for_updates, for_drift = self.algo.advantage == "lampo", {}, {}
         points = list(zip(batch.slot_seeds, batch.slot_scales))
         for r in measured.tolist():
@@ -210,15 +207,14 @@ class Learner:
         for seed, rows in ([] if lampo or not updates else updates[0]):
             for need in (for_updates, for_drift):
                 need.get((seed, 1.0), set()).difference_update(rows.tolist())
-        aside = {p: torch.tensor(sorted(r)) for p, r in for_drift.items() if r and p not in for_updates} if self.beside else {}
+        beside = self.beside is not None and self.beside.is_ready()
+        aside = {p: torch.tensor(sorted(r)) for p, r in for_drift.items() if r and p not in for_updates} if beside else {}
         for point in set(for_drift) - set(aside):
             for_updates.setdefault(point, set()).update(for_drift[point])
         start, size = StartLogprobs(batch.mask.shape, batch.mask.device), batch.rewards.shape[1]
         need = {point: torch.tensor(sorted(rows)) for point, rows in for_updates.items() if rows}
-        # the next step's first θ̂′ is known now (one sample per update; M3PO's are per slot)
-        ahead = update_seed(self.algo.seed, self.step_count + 1, 0) if self.algo.exploration != "m3po" else None
-        pending = (self.beside.start(self._logprobs, batch, aside, self.opt, ahead)
-                   if self.beside and (aside or ahead is not None) else Pending())
+        pending = (self.beside.start(batch, aside, self.opt.mean_by_name(), self.opt.sigma_by_name(),
+                                     lambda rows: self._run(batch, rows)) if aside else Pending())
         for (seed, scale), rows in need.items():
             idx = self.ranks.mine(rows, size)  # every rank takes part in each point's collectives
             with torch.no_grad(), self._at(seed, train=False, scale=scale):
@@ -241,19 +237,20 @@ class Learner:
         return drift_sample(list(zip(batch.slot_seeds, batch.slot_scales)), self.sync.drift_rows,
                             step=self.step_count, seed=self.algo.seed)
 
-    def _logprobs(self, batch: TrainBatch, rows: torch.Tensor, model=None) -> torch.Tensor:
+    def _logprobs(self, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
         if not len(rows):
             return batch.logp_behav[rows]  # [0, T]: another rank's rows
-        logits = self._logits(self.model if model is None else model, batch, rows)
+        logits = self._logits(self.model, batch, rows)
         return losses.token_logprobs(logits[:, :-1], batch.targets[rows], self.temperature)
 
     def _logits(self, model, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
         """[len(rows), L, V]: a plain forward, or with each prompt computed once when the rows come
         in runs sharing one (services/prefix_forward.py; equal at every completion position)."""
-        run = prompt_runs(rows, batch.rewards.shape[1]) if self.shared_prefix else 0
-        if run > 1:
-            return shared_prefix_logits(model, batch.input_ids[rows], batch.mask[rows], run)
-        return model(input_ids=batch.input_ids[rows], attention_mask=batch.attn[rows]).logits
+        return row_logits(model, batch.input_ids[rows], batch.attn[rows], batch.mask[rows], self._run(batch, rows))
+
+    def _run(self, batch: TrainBatch, rows: torch.Tensor) -> int:
+        """How many consecutive `rows` share each prompt (0: use the plain forward)."""
+        return prompt_runs(rows, batch.rewards.shape[1]) if self.shared_prefix else 0
 
     def _backward(self, batch: TrainBatch, rows: torch.Tensor, advantages: torch.Tensor,
                   logp_prox: torch.Tensor | None) -> tuple[dict, torch.Tensor]:

@@ -251,6 +251,11 @@ class LearnerConfig:
     """Compute each group's prompt once and run only the completions on its repeated KV cache (the
     same logits and gradients as a plain forward, to fp32 rounding; about half the learner's work
     when prompts are as long as completions). VP2O's routing hooks keep the plain forward."""
+    drift_process: bool = True
+    """IVON on one CPU rank: run the drift diagnostic's no-grad forward at a slot (the sync budget's
+    KL and ESS) in a process of its own beside the update (services/beside.py), on the core the
+    sampler leaves idle, instead of on the learner's. It holds a second copy of the model; until it
+    has loaded it (seconds) the learner computes those forwards itself. false: always itself."""
     timeout_s: float = 300.0
     """Longest wait of one collective: a rank that stops answering fails the group after this, and
     the driver restores the learner from the latest checkpoint (a dead rank fails it at once)."""

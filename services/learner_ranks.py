@@ -64,8 +64,8 @@ class SingleRank:
     def denominators(self, mask: torch.Tensor) -> dict:
         return {}  # aggregate_loss takes its own: the whole point is here
 
-    def sampled(self, opt, named: list, seed: int | None, train: bool, scale: float = 1.0, noise=None):
-        return opt.sampled_params(seed, train=train, scale=scale, noise=noise)
+    def sampled(self, opt, named: list, seed: int | None, train: bool, scale: float = 1.0):
+        return opt.sampled_params(seed, train=train, scale=scale)
 
     def all_reduce_grads(self, named: list) -> None:
         pass
@@ -130,11 +130,10 @@ class Ranks:
         return {"num_tokens": float(counts[0]), "num_seqs": float(counts[1])}
 
     @contextlib.contextmanager
-    def sampled(self, opt, named: list, seed: int | None, train: bool, scale: float = 1.0,
-                noise=None) -> Iterator[None]:
+    def sampled(self, opt, named: list, seed: int | None, train: bool, scale: float = 1.0) -> Iterator[None]:
         """Every rank's model at θ̂(seed, scale) (the owners' tensors, broadcast); with train=True the
         body's gradients are summed over ranks before IVON folds its own tensors' share in."""
-        with opt.sampled_params(seed, train=train, scale=scale, noise=noise):
+        with opt.sampled_params(seed, train=train, scale=scale):
             self.broadcast_from_owners(named)
             yield
             if train:

@@ -54,6 +54,15 @@ def length_buckets(comp_len: torch.Tensor, extra_pass_tokens: int = 128) -> list
     return [order] if cut == rows else [order[:cut], order[cut:]]
 
 
+def row_logits(model, input_ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor, run: int) -> torch.Tensor:
+    """Logits [R, L, V] of rows of a TrainBatch (`input_ids`, `attn`, `mask` [R, L]): with each
+    prompt computed once when they come in runs of `run` > 1 rows sharing one (`prompt_runs`),
+    else a plain forward."""
+    if run > 1:
+        return shared_prefix_logits(model, input_ids, mask, run)
+    return model(input_ids=input_ids, attention_mask=attn).logits
+
+
 def shared_prefix_logits(model, input_ids: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
     """Logits [R, L, V] of `input_ids` [R, L] (right-padded prompt + completion rows, in consecutive
     groups of `group_size` sharing a prompt), equal to `model(input_ids, attention_mask).logits` at

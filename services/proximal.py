@@ -5,22 +5,16 @@ update's gradient point θ̂′ = m₀ + σ₀ ⊙ z(seed) (seed None: the mean)
 each rollout's behaviour log-probs with its own slot rebuilt from (m₀, σ₀) and the slot's σ
 multiplier c (θ̂ = m₀ + c · σ₀ ⊙ z(seed); gradient points have c = 1). The learner computes
 these once, before the weights move, row by row into one [B, T] tensor per seed; rows asked for
-twice are computed once; `Beside` computes those only the drift diagnostic needs on a copy of the
-model in a thread of its own, beside the update's gradient (and draws the next step's gradient
-noise there), and `drift_metrics` compares them with the behaviour log-probs. Not here: what each
-forward computes (services/learner.py).
+twice are computed once (those only the drift diagnostic needs can be computed by a process beside
+the update: services/beside.py), and `drift_metrics` compares them with the behaviour log-probs.
+Not here: what each forward computes (services/learner.py).
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-
 import torch
 
 from threepo.algorithms import off_policy
-from threepo.algorithms.param_noise import load_perturbed, noise_like
 
 
 class StartLogprobs:
@@ -85,50 +79,3 @@ def _slot_drift(batch, start: StartLogprobs, measured: torch.Tensor) -> dict:
     drift = off_policy.behaviour_drift(same_slot, batch.logp_behav[measured], batch.mask[measured])
     return {"kl_k3_drift": float(drift["kl_k3"]), "ess_frac_drift": float(drift["ess_frac"]),
             "kl_k3": float(drift["kl_k3"]), "ess_frac": float(drift["ess_frac"])}
-
-
-class Pending:
-    """Start-of-step log-probs being computed beside the update; `join` waits for them and files
-    them into the step's `StartLogprobs` (once; a later join does nothing), and keeps the noise
-    drawn ahead for a later gradient point in `ahead` ((seed, {name: z}) or None). Errors propagate."""
-
-    def __init__(self, future: Future | None = None) -> None:
-        self.future, self.ahead = future, None
-
-    def join(self, start: StartLogprobs) -> None:
-        if self.future is not None:
-            future, self.future = self.future, None
-            results, self.ahead = future.result()
-            for (seed, scale), rows, logp in results:
-                start.put(seed, rows, logp, scale)
-
-
-class Beside:
-    """No-grad forwards at start-of-step posterior samples on a copy of the learner's model, in a
-    thread of their own, so that they run while the main thread computes the update's gradient (on
-    a CPU box, in a core's idle time; the result does not depend on timing). It takes the points
-    only the drift diagnostic needs; (m, σ) are read as they are when `start` is called, and the
-    learner joins before its first optimizer step changes them."""
-
-    def __init__(self, model: torch.nn.Module, names: list[str]) -> None:
-        self.model = copy.deepcopy(model).requires_grad_(False)
-        params = dict(self.model.named_parameters())
-        self.named = [(n, params[n]) for n in names]
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="learner-beside")
-
-    def start(self, logprobs: Callable, batch, points: dict, opt, ahead: int | None = None) -> Pending:
-        """Computes `logprobs(batch, rows, model)` at θ̂(seed, c) from IVON `opt`'s current (m, σ) for
-        each ((seed, c), rows) of `points`, on this copy of the model, in the thread; then, with
-        `ahead`, draws z(ahead, name) of every parameter for a gradient point to come."""
-        means, sigmas = opt.mean_by_name(), opt.sigma_by_name()
-
-        def work() -> tuple[list, tuple | None]:
-            torch.set_flush_denormal(True)  # per thread, as the learner's own
-            out = []
-            with torch.no_grad():
-                for (seed, scale), rows in points.items():
-                    load_perturbed(self.named, means, sigmas, seed, scale)
-                    out.append(((seed, scale), rows, logprobs(batch, rows, self.model)))
-            noise = None if ahead is None else (ahead, {n: noise_like(ahead, n, p.shape) for n, p in self.named})
-            return out, noise
-        return Pending(self.pool.submit(work))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import pytest
 import torch
@@ -83,19 +84,20 @@ def _groups(sampler, learner, exploration, n_slots, group_size, rewards_seed=0, 
     return groups
 
 
-def _learner(path, exploration="c3po", n_slots=4, optim=None, sync=None, **algo):
+def _learner(path, exploration="c3po", n_slots=4, optim=None, sync=None, beside=False, **algo):
     return Learner(path, AlgoConfig(exploration=exploration, n_slots=n_slots, group_size=8, **algo),
-                   optim or OptimConfig(), sync or SyncConfig(max_staleness=2), temperature=1.0, max_new_tokens=10)
+                   optim or OptimConfig(), sync or SyncConfig(max_staleness=2), temperature=1.0, max_new_tokens=10,
+                   beside=beside)
 
 
 def _train_seeds(learner) -> list:
     """Records the seed of every IVON training sample the learner takes (sampled_params, train=True)."""
     seen, original = [], learner.opt.sampled_params
 
-    def spy(seed, train=True, scale=1.0, noise=None):
+    def spy(seed, train=True, scale=1.0):
         if train:
             seen.append(seed)
-        return original(seed, train, scale, noise)
+        return original(seed, train, scale)
     learner.opt.sampled_params = spy
     return seen
 
@@ -303,11 +305,11 @@ def test_sync_budget_measures_drift_not_the_noise_between_slots(sampler, tiny_de
 def test_a_step_that_publishes_on_staleness_anyway_takes_no_drift_forward(sampler, tiny_dense_path):
     learner = _learner(tiny_dense_path, sync=SyncConfig(max_staleness=2))
     groups = _groups(sampler, learner, "c3po", 4, 8)
-    slot_forwards, original = [], learner._logprobs  # the start-of-step no-grad forwards (inline or beside)
+    slot_forwards, original = [], learner._logprobs  # the start-of-step no-grad forwards (inline)
 
-    def spy(batch, rows, model=None):
+    def spy(batch, rows):
         slot_forwards.append(len(rows))
-        return original(batch, rows, model)
+        return original(batch, rows)
     learner._logprobs = spy
     first = _step(learner, groups)  # the drift is measured (nothing fires: the mean barely moved)
     assert not first.publish and len(slot_forwards) == 1 and "kl_k3_drift" in first.metrics
@@ -353,48 +355,44 @@ def test_a_c3po_step_with_shared_prefixes_equals_the_plain_forwards(sampler, tin
         torch.testing.assert_close(_means(shared)[name], m, atol=1e-6, rtol=1e-5)
 
 
-def test_the_drift_measured_beside_the_update_equals_the_drift_measured_inline(sampler, tiny_dense_path):
-    # IVON on one rank measures the drift on a copy of the model in a thread of its own, while the
-    # update's gradient is computed; it must give what the inline forward gives, step after step
-    beside, inline = (_learner(tiny_dense_path, sync=SyncConfig(max_staleness=8)) for _ in range(2))
-    assert beside.beside is not None
-    inline.beside = None
+def test_the_drift_measured_in_a_process_beside_the_update_equals_the_drift_measured_inline(sampler, tiny_dense_path):
+    # IVON on one CPU rank measures the drift in a process of its own (its model copy, m and σ through
+    # shared memory) while the update's gradient is computed; it must give what the inline forward
+    # gives, step after step, and the learner must not compute it itself
+    beside = _learner(tiny_dense_path, sync=SyncConfig(max_staleness=8), beside=True)
+    inline = _learner(tiny_dense_path, sync=SyncConfig(max_staleness=8))
+    assert inline.beside is None and beside.beside.is_ready(wait_s=120)
+    assert not os.path.exists(beside.beside.path)  # both processes map it: the file is gone
     groups = _groups(sampler, beside, "c3po", 4, 8)
+    forwards, original = [], beside._logprobs
+    beside._logprobs = lambda batch, rows: forwards.append(len(rows)) or original(batch, rows)
     for _ in range(3):
         a, b = _step(beside, groups), _step(inline, groups)
         assert a.metrics["kl_k3_drift"] == pytest.approx(b.metrics["kl_k3_drift"], rel=1e-6, abs=1e-9)
         assert a.metrics["ess_frac_drift"] == pytest.approx(b.metrics["ess_frac_drift"], rel=1e-6)
         assert a.metrics["kl_k3_drift"] > 0 and a.publish == b.publish
+    assert forwards == []  # every start-of-step forward of these steps ran in the process
     for name, p in beside.named:  # the updates themselves are the same
         assert torch.allclose(p, dict(inline.named)[name], atol=1e-7)
+    process = beside.beside.proc
+    beside.beside.close()
+    assert process.wait(timeout=30) == 0  # it exits when its stdin closes
 
 
-def test_the_next_steps_gradient_noise_is_drawn_beside_and_taken_from_there(sampler, tiny_dense_path, monkeypatch):
-    from threepo.algorithms import ivon, param_noise
-
-    learner = _learner(tiny_dense_path, sync=SyncConfig(max_staleness=8))
+def test_an_error_in_the_process_beside_the_update_fails_the_step_and_the_next_one_runs(sampler, tiny_dense_path):
+    learner = _learner(tiny_dense_path, sync=SyncConfig(max_staleness=8), beside=True)
+    assert learner.beside.is_ready(wait_s=120)
     groups = _groups(sampler, learner, "c3po", 4, 8)
-    _step(learner, groups)
-    seed, drawn = learner.noise_ahead
-    assert seed == update_seed(learner.algo.seed, 1, 0)
-    for name, p in learner.named:
-        assert torch.equal(drawn[name], param_noise.noise_like(seed, name, p.shape))
-    trained_at, drawn_here = _train_seeds(learner), []
-    monkeypatch.setattr(ivon, "noise_like", lambda s, n, shape: drawn_here.append(s) or param_noise.noise_like(s, n, shape))
-    _step(learner, groups)
-    assert trained_at == [seed] and seed not in drawn_here  # trained at that point, with the z drawn ahead
-    assert learner.noise_ahead[0] == update_seed(learner.algo.seed, 2, 0)
+    original = learner.beside.start
 
-
-def test_an_error_in_the_forward_beside_the_update_fails_the_step(sampler, tiny_dense_path, monkeypatch):
-    learner = _learner(tiny_dense_path, sync=SyncConfig(max_staleness=8))
-    groups = _groups(sampler, learner, "c3po", 4, 8)
-    original = learner._logprobs
-
-    def broken(batch, rows, model=None):
-        if model is learner.beside.model:
-            raise RuntimeError("out of memory beside the update")
-        return original(batch, rows, model)
-    monkeypatch.setattr(learner, "_logprobs", broken)
-    with pytest.raises(RuntimeError, match="beside the update"):
+    def broken(batch, points, means, sigmas, run):  # runs that are no whole groups fail the forward there
+        return original(batch, points, means, sigmas, lambda rows: len(rows) + 1)
+    learner.beside.start = broken
+    with pytest.raises(RuntimeError, match="failed in its process"):
+        _step(learner, groups)
+    learner.beside.start = original
+    assert "kl_k3_drift" in _step(learner, groups).metrics  # the process still serves
+    learner.beside.proc.kill()
+    learner.beside.proc.wait()
+    with pytest.raises(RuntimeError, match="process exited"):
         _step(learner, groups)
