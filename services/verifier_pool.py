@@ -6,7 +6,9 @@ for tests). `verify_batch` is synchronous so that a synchronous Ray actor can ca
 thread, where math-verify's SIGALRM timeouts work: it runs the async verifiers under a semaphore on an
 event loop driven from the calling thread. A result with status `infra_error` says nothing about the
 completion, so it is retried with exponential backoff and jitter; if it persists, the `infra_error`
-(reward NaN) is returned — never a zero reward — and the driver keeps it out of the gradient.
+(reward NaN) is returned — never a zero reward — and the driver keeps it out of the gradient. A
+request repeated within one batch (the same completion text of the same item and finish reason:
+most of a group's rollouts, on the embedded default) is verified once and answers every copy.
 Retries happen at two levels that do not overlap: the remote sandbox client waits out a flaky or
 briefly down service itself (services/verifiers/remote.py); the pool retries what a verifier still
 returns as `infra_error`. A `VerifierOutage` (every endpoint down for longer than its bound) is not a
@@ -221,7 +223,8 @@ class VerifierPool:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._limit: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self._status: Counter[str] = Counter()
-        self._stats = {"requests": 0, "attempts": 0, "retries": 0, "latency_s_sum": 0.0, "latency_s_max": 0.0}
+        self._stats = {"requests": 0, "deduplicated": 0, "attempts": 0, "retries": 0, "latency_s_sum": 0.0,
+                       "latency_s_max": 0.0}
         self._metrics = None if metrics is None else register_catalogue(
             metrics, [m for m in CATALOGUE if m.name in _METRICS])
 
@@ -236,10 +239,22 @@ class VerifierPool:
         loop = asyncio.get_running_loop()
         if self._limit is None or self._limit[0] is not loop:  # a semaphore belongs to one loop
             self._limit = (loop, asyncio.Semaphore(self.cfg.max_concurrency))
-        verifiers = [self._verifier(self.cfg.routed(r.item.verifier)) for r in requests]  # unknown: fail now
-        tasks = [asyncio.ensure_future(self._verify(v, r, self._limit[1])) for v, r in zip(verifiers, requests)]
+        # a request repeated in the batch (the same completion of the same item: common among a group's
+        # rollouts) is verified once and its result given to each copy
+        index: dict[tuple, int] = {}
+        distinct, slot = [], []
+        for r in requests:
+            key = (r.item.uid, r.item.verifier, r.completion, r.finish_reason)
+            if key not in index:
+                index[key] = len(distinct)
+                distinct.append(r)
+            slot.append(index[key])
+        self._stats["deduplicated"] += len(requests) - len(distinct)
+        verifiers = [self._verifier(self.cfg.routed(r.item.verifier)) for r in distinct]  # unknown: fail now
+        tasks = [asyncio.ensure_future(self._verify(v, r, self._limit[1])) for v, r in zip(verifiers, distinct)]
         try:
-            return list(await asyncio.gather(*tasks))
+            results = await asyncio.gather(*tasks)
+            return [results[s] for s in slot]
         except VerifierOutage:  # no verification can finish now: stop the others, tell the caller
             for task in tasks:
                 task.cancel()
@@ -247,7 +262,8 @@ class VerifierPool:
             raise
 
     def stats(self) -> dict:
-        """Counts of final statuses, attempts, retries and latency (seconds, retries included)."""
+        """Counts of final statuses, attempts, retries and latency (seconds, retries included) of the
+        verifications run, and of the requests answered by another's (`deduplicated`)."""
         return dict(self._stats, status=dict(self._status))
 
     def close(self) -> None:

@@ -152,3 +152,18 @@ def test_real_math_verifier_through_the_pool():
     assert [r.reward for r in results] == [1.0, 0.0, 0.0, 1.0]
     assert pool.stats()["status"] == {"ok": 2, "wrong": 1, "malformed": 1}
     pool.close()
+
+
+def test_a_request_repeated_in_a_batch_is_verified_once_and_answers_every_copy():
+    fake = FakeVerifier(failures={"b": 1})
+    pool = make_pool(fake, sleeps=Sleeps())
+    batch = [request("a-ok", completion="x"), request("b", completion="x"), request("a-ok", completion="x"),
+             request("a-ok", completion="y"), request("b", completion="x")]
+    results = pool.verify_batch(batch)
+    assert [r.status for r in results] == [VerifyStatus.OK, VerifyStatus.WRONG, VerifyStatus.OK, VerifyStatus.OK,
+                                           VerifyStatus.WRONG]
+    assert fake.calls == {"a-ok": 2, "b": 2}  # a-ok: texts x and y; b: one retry after its infra_error
+    stats = pool.stats()
+    assert stats["requests"] == 3 and stats["deduplicated"] == 2 and stats["retries"] == 1
+    pool.verify_batch([request("a-ok", completion="x"), VerifyRequest(batch[0].item, "x", "length")])
+    assert fake.calls["a-ok"] == 4  # another batch, and another finish reason, are verified afresh
