@@ -29,10 +29,11 @@ The reward: TRL's reward function scores each completion with threepo's verifier
 through services/verifiers/math_verifier.py, the same format rules), a completion that ended
 without EOS being `length`-truncated exactly as a threepo engine reports it.
 
-Reported per side: training wall (TRL: `trainer.train()`, the model loaded and the trainer built
-before; threepo: `deploy.run.run` once every role's actor is constructed, its model loaded — the
-loop, the final checkpoint and report; the start-up is given beside it), completions/s = rollouts /
-that wall,
+Reported per side: training wall, from the start of training to the final model on disk (TRL:
+`trainer.train()` and `save_model`, the model loaded and the trainer built before; threepo:
+`deploy.run.run` once every role's actor is constructed, its model loaded — the loop and the final
+checkpoint, up to the run's summary; the plotted report written after it is not counted, and the
+start-up is given beside it), completions/s = rollouts / that wall,
 and the held-out pass@1 of the final checkpoint (TRL's saved with `save_model` as an HF checkpoint),
 each evaluated the same way as `threepo eval model.path=<final dir>` (`deploy.cli.evaluate_policy`:
 the configured held-out items and samples), plus the starting checkpoint's. Ratios are threepo / TRL
@@ -111,10 +112,10 @@ def trl_train(model: str, cfg, steps: int, out_dir: str) -> dict:
                           reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer)
     started = time.monotonic()
     output = trainer.train()
-    wall = time.monotonic() - started
     final = os.path.join(out_dir, "final")
     trainer.save_model(final)
     tokenizer.save_pretrained(final)
+    wall = time.monotonic() - started  # training and the final model on disk, as threepo's
     import trl
 
     return {"wall_s": wall, "completions": scored["completions"], "final_checkpoint": final,
@@ -171,7 +172,8 @@ def main() -> None:
             if side in args.only:
                 r = _common.train_run(model, [*overrides, f"runtime.steps={args.steps}"], side,
                                       recipe=RECIPES[side], heldout=True, runs_dir=os.path.join(work, side))
-                r["wall_s"], r["rollouts"] = r["run_wall_s"], r["summary"]["consumed_rollouts"]
+                # training and the final checkpoint on disk, as TRL's (the report plotted after is not counted)
+                r["wall_s"], r["rollouts"] = r["summary"]["wall_s"], r["summary"]["consumed_rollouts"]
                 runs[side] = r
     finally:
         if not args.keep:
