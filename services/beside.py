@@ -6,7 +6,8 @@ interpreter lock and the core with the update (measured: no faster than inline).
 it in a Python process of its own, on the core the sampler engine leaves idle:
 - the process loads its own copy of the model from the learner's checkpoint;
 - each step the learner writes (m, σ) into two fp32 buffers that both processes map (a file in
-  /dev/shm, unlinked once both have mapped it) and sends the rows through the process's stdin;
+  /dev/shm, which the process unlinks once it has mapped it too) and sends the rows through the
+  process's stdin;
 - `start` returns a `Pending`, which the learner joins before its first optimizer step moves (m, σ).
 
 Results do not depend on timing. Until the process has loaded its model the learner computes these
@@ -77,7 +78,6 @@ class BesideProcess:
         if not self.ready and select.select([self.proc.stdout], [], [], wait_s)[0]:
             self._answer("ready")
             self.ready = True
-            os.unlink(self.path)  # both processes have it mapped: the memory lives as long as they do
         return self.ready
 
     def start(self, batch, points: dict, means: dict, sigmas: dict, run: Callable) -> Pending:
@@ -167,6 +167,7 @@ def main() -> None:
     params, names, shapes = dict(model.named_parameters()), init["names"], init["shapes"]
     total = sum(math.prod(s) for s in shapes)
     flat = torch.from_file(init["path"], shared=True, size=2 * total, dtype=torch.float32)
+    os.unlink(init["path"])  # both processes have it mapped: the memory lives as long as they do
     means, sigmas = _views(flat[:total], names, shapes), _views(flat[total:], names, shapes)
     named = [(n, params[n]) for n in names]
 
