@@ -6,8 +6,9 @@ interpreter lock and the core with the update (measured: no faster than inline).
 it in a Python process of its own, on the core the sampler engine leaves idle:
 - the process loads its own copy of the model from the learner's checkpoint;
 - each step the learner writes (m, σ) into two fp32 buffers that both processes map (a file in
-  /dev/shm, which the process unlinks once it has mapped it too) and sends the rows through the
-  process's stdin;
+  /dev/shm, unlinked as soon as the learner has mapped it; the process maps it through the file
+  descriptor it inherits, so nothing is left behind however either process ends) and sends the
+  rows through the process's stdin;
 - `start` returns a `Pending`, which the learner joins before its first optimizer step moves (m, σ).
 
 Results do not depend on timing. Until the process has loaded its model the learner computes these
@@ -16,7 +17,7 @@ step, and so does a process that dies. The process exits when its stdin closes (
 it, or died).
 
 Protocol, pickle frames on the process's stdin and stdout:
-- init: {model_path, names, shapes, path, temperature}; the process answers ("ready", None);
+- init: {model_path, names, shapes, fd, temperature}; the process answers ("ready", None);
 - then per step a list of ((seed, scale), rows, input_ids, attn, mask, targets, run), answered
   ("ok", [((seed, scale), rows, logp)]) or ("error", traceback).
 """
@@ -60,17 +61,22 @@ class BesideProcess:
         self.names, shapes = [n for n, _ in named], [tuple(p.shape) for _, p in named]
         total = sum(p.numel() for _, p in named)
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, self.path = tempfile.mkstemp(prefix="threepo-beside-", dir=shm)
-        os.ftruncate(fd, 2 * total * 4)
-        os.close(fd)
-        flat = torch.from_file(self.path, shared=True, size=2 * total, dtype=torch.float32)
+        fd, path = tempfile.mkstemp(prefix="threepo-beside-", dir=shm)
+        try:  # the file has no name once mapped here: the process maps it through the descriptor it inherits
+            os.ftruncate(fd, 2 * total * 4)
+            flat = torch.from_file(path, shared=True, size=2 * total, dtype=torch.float32)
+        finally:
+            os.unlink(path)
         self.means, self.sigmas = _views(flat[:total], self.names, shapes), _views(flat[total:], self.names, shapes)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "threepo.services.beside"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env)
-        self._stop = weakref.finalize(self, _stop, self.proc, self.path)
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "threepo.services.beside"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, env=env, pass_fds=(fd,))
+        finally:
+            os.close(fd)
+        self._stop = weakref.finalize(self, _stop, self.proc)
         self.ready, self.unanswered = False, 0
-        self._send({"model_path": model_path, "names": self.names, "shapes": shapes, "path": self.path,
+        self._send({"model_path": model_path, "names": self.names, "shapes": shapes, "fd": fd,
                     "temperature": temperature})
 
     def is_ready(self, wait_s: float = 0.0) -> bool:
@@ -136,7 +142,7 @@ def _views(flat: torch.Tensor, names: list[str], shapes: list[tuple]) -> dict[st
     return out
 
 
-def _stop(proc: subprocess.Popen, path: str) -> None:
+def _stop(proc: subprocess.Popen) -> None:
     if proc.stdin and not proc.stdin.closed:
         proc.stdin.close()
     try:
@@ -146,8 +152,6 @@ def _stop(proc: subprocess.Popen, path: str) -> None:
         proc.wait()
     if proc.stdout:
         proc.stdout.close()
-    if os.path.exists(path):
-        os.unlink(path)
 
 
 def main() -> None:
@@ -166,8 +170,8 @@ def main() -> None:
     model = load_model(init["model_path"]).train().requires_grad_(False)  # the learner's mode
     params, names, shapes = dict(model.named_parameters()), init["names"], init["shapes"]
     total = sum(math.prod(s) for s in shapes)
-    flat = torch.from_file(init["path"], shared=True, size=2 * total, dtype=torch.float32)
-    os.unlink(init["path"])  # both processes have it mapped: the memory lives as long as they do
+    flat = torch.from_file(f"/proc/self/fd/{init['fd']}", shared=True, size=2 * total, dtype=torch.float32)
+    os.close(init["fd"])  # mapped: the memory lives as long as one of the two processes does
     means, sigmas = _views(flat[:total], names, shapes), _views(flat[total:], names, shapes)
     named = [(n, params[n]) for n in names]
 

@@ -3,7 +3,6 @@ that dies without cleaning up. (Its results against the inline forward: tests/se
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -11,24 +10,30 @@ import time
 import psutil
 
 
-def test_a_learner_killed_at_once_leaves_neither_its_process_nor_its_shared_file(tiny_dense_path):
-    # the learner's process dies (os._exit: no finalizers) before its helper has even loaded the model;
-    # the helper must still unlink the shared file, then exit on the end of its stdin
+def test_the_shared_buffers_have_no_name_and_the_process_outlives_no_learner(tiny_dense_path):
+    # the learner's process dies (os._exit: no finalizers) before its helper has even loaded the model:
+    # no file may be left in /dev/shm (there is none from the start), and the helper must exit on the
+    # end of its stdin
     code = f"""
-import os, sys
+import os, tempfile
 from threepo.services.beside import BesideProcess
 from threepo.services.modeling import load_model, trainable_named_parameters
+folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+before = set(os.listdir(folder))
 b = BesideProcess({tiny_dense_path!r}, trainable_named_parameters(load_model({tiny_dense_path!r})), 1.0)
-print(b.path, b.proc.pid, flush=True)
+left = [f for f in set(os.listdir(folder)) - before if f.startswith("threepo-beside-")]
+print(len(left), b.proc.pid, flush=True)
 os._exit(0)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
-    path, pid = out.stdout.split()
+    left, pid = (int(x) for x in out.stdout.split())
+    assert left == 0
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (os.path.exists(path) or psutil.pid_exists(int(pid))):
+    while time.monotonic() < deadline and psutil.pid_exists(pid):
         try:
-            psutil.Process(int(pid)).wait(timeout=1)  # reaped here if it is our grandchild no more
-        except (psutil.NoSuchProcess, psutil.TimeoutExpired):
-            pass
-    assert not os.path.exists(path), "the shared file outlived both processes"
-    assert not psutil.pid_exists(int(pid)) or psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                break
+            time.sleep(0.2)
+        except psutil.NoSuchProcess:
+            break
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import pytest
 import torch
@@ -362,7 +361,6 @@ def test_the_drift_measured_in_a_process_beside_the_update_equals_the_drift_meas
     beside = _learner(tiny_dense_path, sync=SyncConfig(max_staleness=8), beside=True)
     inline = _learner(tiny_dense_path, sync=SyncConfig(max_staleness=8))
     assert inline.beside is None and beside.beside.is_ready(wait_s=120)
-    assert not os.path.exists(beside.beside.path)  # both processes map it: the file is gone
     groups = _groups(sampler, beside, "c3po", 4, 8)
     forwards, original = [], beside._logprobs
     beside._logprobs = lambda batch, rows: forwards.append(len(rows)) or original(batch, rows)
