@@ -207,7 +207,7 @@ def main() -> None:
     cpu_rows = [[side, *(1e3 * runs[side]["cpu"]["per_step_s"][k] for k in roles), runs[side]["cpu"]["machine_busy"]]
                 for side in ("grpo", "c3po") if side in runs]
     if cpu_rows:  # on a box whose cores are all busy, pace follows the total, not one role's share
-        _common.table(f"CPU ms per learner step by role ({cpu_rows and runs[cpu_rows[0][0]]['cpu']['cores']} cores)",
+        _common.table(f"CPU ms per learner step by role ({runs[cpu_rows[0][0]]['cpu']['cores']} cores)",
                       ["run", *roles, "machine busy"], cpu_rows)
     if "grpo" in runs and "c3po" in runs:  # issue 10: C3PO's cost at equal rollouts, target <= 1.05
         ratios["c3po/grpo"] = {name: runs["c3po"][key] / runs["grpo"][key]

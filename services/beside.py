@@ -88,7 +88,7 @@ class BesideProcess:
 
     def start(self, batch, points: dict, means: dict, sigmas: dict, run: Callable) -> Pending:
         """Sends ((seed, c), rows) of `points` with the rows of `batch` (`run(rows)`: their
-        shared-prompt runs, as `prefix_forward.row_logits` takes them) and the current (m, σ)."""
+        shared-prompt runs, as `prefix_forward.row_logprobs` takes them) and the current (m, σ)."""
         while self.unanswered:  # a step that failed before joining left its answer in the pipe
             self._answer("ok", discard=True)
         for name in self.names:
@@ -161,10 +161,9 @@ def main() -> None:
     inp = sys.stdin.buffer
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)  # as the learner
-    from threepo.algorithms import losses
     from threepo.algorithms.param_noise import load_perturbed
     from threepo.services.modeling import load_model
-    from threepo.services.prefix_forward import row_logits
+    from threepo.services.prefix_forward import row_logprobs
 
     init = pickle.load(inp)
     model = load_model(init["model_path"]).train().requires_grad_(False)  # the learner's mode
@@ -189,8 +188,7 @@ def main() -> None:
             with torch.no_grad():
                 for (seed, scale), rows, input_ids, attn, mask, targets, run in points:
                     load_perturbed(named, means, sigmas, seed, scale)
-                    logits = row_logits(model, input_ids, attn, mask, run)
-                    logp = losses.token_logprobs(logits[:, :-1], targets, init["temperature"])
+                    logp = row_logprobs(model, input_ids, attn, mask, targets, run, init["temperature"])
                     done.append(((seed, scale), rows, logp))
             send(("ok", done))
         except Exception:  # noqa: BLE001 (the learner raises it: the step fails, not this process)

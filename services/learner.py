@@ -40,7 +40,7 @@ from threepo.services.batching import MALFORMED, TrainBatch, collate
 from threepo.services.messages import CompletionBatch, GroupRows, PublishedVersion, ScoreBatch
 from threepo.services.modeling import load_model, trainable_named_parameters
 from threepo.services.beside import BesideProcess, Pending
-from threepo.services.prefix_forward import prompt_runs, row_logits
+from threepo.services.prefix_forward import prompt_runs, row_logits, row_logprobs
 from threepo.services.proximal import StartLogprobs, drift_metrics, drift_sample
 from threepo.services.vp2o_hooks import VP2OConfig, VP2OHooks
 
@@ -240,13 +240,16 @@ class Learner:
     def _logprobs(self, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
         if not len(rows):
             return batch.logp_behav[rows]  # [0, T]: another rank's rows
-        logits = self._logits(self.model, batch, rows)
-        return losses.token_logprobs(logits[:, :-1], batch.targets[rows], self.temperature)
+        return self._row_logprobs(self.model, batch, rows)
 
     def _logits(self, model, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
         """[len(rows), L, V]: a plain forward, or with each prompt computed once when the rows come
         in runs sharing one (services/prefix_forward.py; equal at every completion position)."""
         return row_logits(model, batch.input_ids[rows], batch.attn[rows], batch.mask[rows], self._run(batch, rows))
+
+    def _row_logprobs(self, model, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
+        return row_logprobs(model, batch.input_ids[rows], batch.attn[rows], batch.mask[rows], batch.targets[rows],
+                            self._run(batch, rows), self.temperature)
 
     def _run(self, batch: TrainBatch, rows: torch.Tensor) -> int:
         """How many consecutive `rows` share each prompt (0: use the plain forward)."""
@@ -274,8 +277,7 @@ class Learner:
             loss = loss - a.entropy_coef * losses.aggregate_loss(entropy, mask_eff, a.loss_agg, **agg)
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_logits = self._logits(self.ref_model, batch, rows)
-            ref_logp = losses.token_logprobs(ref_logits[:, :-1], batch.targets[rows], self.temperature)
+                ref_logp = self._row_logprobs(self.ref_model, batch, rows)
             kl = losses.kl_penalty(logp, ref_logp, a.kl_estimator)
             loss = loss + a.kl_coef * losses.aggregate_loss(kl, mask_eff, a.loss_agg, **agg)
         spec_loss, extra = self.vp2o.extra_loss() if self.vp2o else (0.0, {})

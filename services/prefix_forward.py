@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from threepo.algorithms import losses
+
 
 def prompt_spans(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(prompt length, completion length) of each row from the completion mask of a TrainBatch
@@ -61,6 +63,13 @@ def row_logits(model, input_ids: torch.Tensor, attn: torch.Tensor, mask: torch.T
     if run > 1:
         return shared_prefix_logits(model, input_ids, mask, run)
     return model(input_ids=input_ids, attention_mask=attn).logits
+
+
+def row_logprobs(model, input_ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor,
+                 run: int, temperature: float) -> torch.Tensor:
+    """Token log-probs [R, T] of `targets` [R, T] under `model` at `temperature` (`row_logits`:
+    position t predicts token t + 1)."""
+    return losses.token_logprobs(row_logits(model, input_ids, attn, mask, run)[:, :-1], targets, temperature)
 
 
 def shared_prefix_logits(model, input_ids: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
