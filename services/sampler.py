@@ -159,11 +159,15 @@ class Sampler:
         return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                               max_new_tokens=cfg.max_new_tokens)
 
-    def _engine_requests(self, requests: list[RolloutRequest]) -> list[EngineRequest]:
+    def _engine_requests(self, requests: list[RolloutRequest], encoded: dict | None = None) -> list[EngineRequest]:
         """Each request samples from a stream seeded by its id: a re-issued or resumed request draws
-        the same tokens whatever the engine did before and whatever shares its batch."""
-        return [EngineRequest(self.engine.encode(r.item.prompt), r.n, tensor_seed(self.cfg.seed, r.request_id))
-                for r in requests]
+        the same tokens whatever the engine did before and whatever shares its batch. `encoded`:
+        prompt ids by prompt, shared by one call's groups (a C3PO call asks for each prompt once per slot)."""
+        encoded = {} if encoded is None else encoded
+        for r in requests:
+            if r.item.prompt not in encoded:
+                encoded[r.item.prompt] = self.engine.encode(r.item.prompt)
+        return [EngineRequest(encoded[r.item.prompt], r.n, tensor_seed(self.cfg.seed, r.request_id)) for r in requests]
 
     def _sample_served(self, noise: NoiseSpec, requests: list[RolloutRequest]) -> tuple:
         """(report, unchanged, [(prompt ids, samples)]): serve the slot, sample, re-check the weights."""
@@ -179,7 +183,8 @@ class Sampler:
     def _sample_slots(self, groups: list[tuple[NoiseSpec, list[RolloutRequest]]]) -> list[tuple]:
         """(report, unchanged, [(prompt ids, samples)]) per (slot, requests) group, every group in
         one engine call (`generate_slots`: slots decoded together, what the engine serves untouched)."""
-        engine_groups = [(noise, self._engine_requests(reqs)) for noise, reqs in groups]
+        encoded: dict[str, tuple[int, ...]] = {}
+        engine_groups = [(noise, self._engine_requests(reqs, encoded)) for noise, reqs in groups]
         started = time.perf_counter()
         results = self.engine.generate_slots(engine_groups, self._params())
         self._stats["generate_s"] += time.perf_counter() - started
