@@ -90,6 +90,7 @@ def train_run(model: str, overrides, label: str, recipe: str | None = None, held
 
     from threepo.deploy.actors import init_ray, start_roles, stop_roles
     from threepo.deploy.cli import evaluate_policy, make_run_dir
+    from threepo.deploy.cores import CorePlacement
     from threepo.deploy.run import run
 
     keep = contextlib.nullcontext(runs_dir) if runs_dir else tempfile.TemporaryDirectory(prefix="threepo-bench-")
@@ -100,11 +101,14 @@ def train_run(model: str, overrides, label: str, recipe: str | None = None, held
               f"G={cfg.algo.group_size} optim={cfg.optim.name}, {cfg.runtime.steps} steps", file=sys.stderr)
         init_ray(cfg)
         started = time.monotonic()
-        roles = start_roles(cfg, model, run_dir)
+        roles, cores = start_roles(cfg, model, run_dir), CorePlacement(cfg)
         try:
             actors = [roles.posterior, roles.learner, *roles.samplers, *roles.verifiers]
             ray.get([a.__ray_ready__.remote() for a in actors])  # every role constructed: its model loaded
             startup = time.monotonic() - started
+            if cores.cores:  # as `threepo train` does (runtime.pin_learner)
+                cores.place(ray.get(roles.learner.process_id.remote()))
+                print(f"[{label}] {cores}", file=sys.stderr)
             meter = CpuMeter(roles)
             started = time.monotonic()
             summary = run(cfg, run_dir, roles)
@@ -112,6 +116,7 @@ def train_run(model: str, overrides, label: str, recipe: str | None = None, held
             cpu = meter.stop(wall, summary["steps"])
             stats = ray.get([s.stats.remote() for s in roles.samplers])
         finally:
+            cores.release()
             stop_roles(roles)
         report = evaluate_policy(cfg, summary["final_checkpoint"], label=f"{label} held-out") if heldout else None
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:

@@ -184,6 +184,9 @@ class LearnerActor:
                 os.truncate(rollout_log, log_bytes)
             self.log = LogWriter(RolloutLog(rollout_log))
 
+    def process_id(self) -> int:
+        return os.getpid()
+
     @ray.method(num_returns=2)
     def step(self, groups: list, n_batches: int, *arrays):
         """One learner step; `arrays` are the step's CompletionBatches then their ScoreBatches,

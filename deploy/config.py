@@ -80,6 +80,11 @@ class RuntimeConfig:
     """Ray CPUs per verifier actor."""
     learner_cpus: float = 1.0
     """Ray CPUs of the learner actor (its torch threads follow)."""
+    pin_learner: bool = True
+    """Local clusters on Linux with one CPU learner: the learner's process runs alone on the last
+    `learner_cpus` cores and every other process of the run (Ray's, the roles', the drift process,
+    the driver) on the rest, so sampling never preempts the update (deploy/cores.py). The driver
+    prints where each runs, or why it does not pin."""
     requests_per_call: int = 32
     """Most rollout requests sent to one sampler in one call (32: a default C3PO step's 8 prompts ×
     4 slots, decoded together in one engine call; two calls of 16 cost that engine 1.2x the CPU)."""

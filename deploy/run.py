@@ -30,6 +30,7 @@ from threepo.deploy import checkpoints
 from threepo.deploy.actors import Roles, init_ray, start_roles, start_stateful, stop_roles
 from threepo.deploy.bookkeeping import Ledger, PersistentFailure, PromptStream, Readmission
 from threepo.deploy.config import RunConfig
+from threepo.deploy.cores import CorePlacement
 from threepo.deploy.metrics import RestartCounter
 from threepo.deploy.outputs import RunLog, Window, record_driver_metrics, resume_metrics_file
 from threepo.services.verifiers.base import VerifierOutage
@@ -88,9 +89,14 @@ def train(cfg: RunConfig, run_dir: str, policy_path: str, resume_from: str | Non
     most `runtime.max_restores` times."""
     init_ray(cfg)
     roles = start_roles(cfg, policy_path, run_dir, checkpoint=resume_from)
+    cores = CorePlacement(cfg)
+    if str(cores):
+        print(f"threepo: {cores}")
     try:
         for restore in range(cfg.runtime.max_restores + 1):
             try:
+                if cores.cores:  # the learner's process on cores of its own (again after a restore)
+                    cores.place(call(roles.learner.process_id.remote()))
                 return run(cfg, run_dir, roles, resume_from)
             except RoleLost as lost:
                 resume_from = checkpoints.latest_or_none(run_dir)
@@ -100,6 +106,7 @@ def train(cfg: RunConfig, run_dir: str, policy_path: str, resume_from: str | Non
                 print(f"train: {lost}; restoring from {resume_from or 'the start'}")
                 start_stateful(roles, cfg, policy_path, run_dir, resume_from)
     finally:
+        cores.release()
         stop_roles(roles)
 
 
@@ -201,13 +208,27 @@ def grow_pool(s: Loop) -> None:
 
 
 def joined(s: Loop, done, index: int) -> None:
-    """A new sampler answered (or died before it could): route to it from now on."""
+    """A new or restarted sampler answered: route to it from now on. One still restarting is asked
+    again (Ray answers for it after ~2 s); one that is gone for good is dropped."""
     s.joining.discard(index)
     try:
         ray.get(done)
+    except ray.exceptions.ActorUnavailableError:
+        if s.cfg.runtime.num_samplers:
+            rejoin(s, index)
+            return
+        s.roles.samplers[index] = None
     except _DEAD:
         s.roles.samplers[index] = None
     dispatch(s, [])
+
+
+def rejoin(s: Loop, index: int) -> None:
+    """Route around sampler `index` (fixed pool, being restarted by Ray) until it answers again:
+    requests sent to it meanwhile would fail without running and spend their re-issues."""
+    if index not in s.joining:
+        s.joining.add(index)
+        s.inflight[s.roles.samplers[index].stats.remote()] = ("joined", index)
 
 
 def verifier(s: Loop):
@@ -222,6 +243,8 @@ def on_scored(s: Loop, done, c: Call) -> None:
     except _DEAD:
         if not s.cfg.runtime.num_samplers:  # elastic: its node left, it is not coming back
             s.roles.samplers[c.sampler] = None
+        elif s.roles.samplers[c.sampler] is not None:  # fixed pool: Ray restarts it
+            rejoin(s, c.sampler)
         dispatch(s, s.ledger.lost(c.requests, sampler=True))  # a restarted sampler loads the version itself
         return
     try:

@@ -103,3 +103,46 @@ def test_a_rollout_log_write_that_failed_is_raised_by_the_next_call(tmp_path):
     with pytest.raises(RuntimeError, match="rollout log"):
         writer.put(groups, batches, scores, 2)
 
+
+
+def test_a_restarting_sampler_is_routed_around_until_it_answers_again(monkeypatch):
+    """Fixed pool: while Ray restarts a sampler, requests sent to it would fail without running and
+    spend their re-issues; the driver holds them back and asks the sampler until it answers."""
+    import ray
+
+    from threepo.deploy import run
+
+    probes = []
+
+    class Sampler:
+        stats = SimpleNamespace(remote=lambda: probes.append(len(probes)) or f"probe{len(probes)}")
+
+    s = SimpleNamespace(cfg=load_config(None, []), roles=SimpleNamespace(samplers=[Sampler()]), joining=set(),
+                        inflight={}, backlog=[])
+    run.rejoin(s, 0)
+    run.rejoin(s, 0)  # already waited for: one probe
+    assert s.joining == {0} and s.inflight == {"probe1": ("joined", 0)}
+    run.dispatch(s, ["request"])
+    assert s.backlog == ["request"]  # no live sampler: the request waits, nothing is sent
+
+    def still_restarting(ref):
+        raise ray.exceptions.ActorUnavailableError("The actor is restarting.", None)
+
+    monkeypatch.setattr(ray, "get", still_restarting)
+    run.joined(s, s.inflight.pop("probe1"), 0)
+    assert s.joining == {0} and s.inflight == {"probe2": ("joined", 0)} and s.backlog == ["request"]
+
+    routed = []
+    monkeypatch.setattr(ray, "get", lambda ref: {})
+    monkeypatch.setattr(run, "dispatch", lambda s, requests: routed.append((set(s.joining), s.backlog)))
+    run.joined(s, s.inflight.pop("probe2"), 0)
+    assert routed == [(set(), ["request"])]  # live again: the backlog goes out
+    assert s.roles.samplers[0] is not None
+
+    def gone(ref):
+        raise ray.exceptions.ActorDiedError()
+
+    monkeypatch.setattr(ray, "get", gone)
+    run.rejoin(s, 0)
+    run.joined(s, s.inflight.pop("probe3"), 0)
+    assert s.roles.samplers[0] is None and s.joining == set()  # gone for good: dropped
