@@ -43,8 +43,13 @@ busy share: when every core is busy, the pace follows the total CPU per step, no
 the pass@1 difference is printed beside two standard errors of a difference of two pass@1 figures
 over the held-out items (items as the unit, which overstates the noise of several samples per item).
 
+`--rounds` (default 2) trains every side that many times, in alternating order (trl grpo c3po, then
+c3po grpo trl, ...), so that a machine whose speed drifts over the minutes a round takes (25-35%
+here) favours no side; each side's figures pool its rounds (rollouts and walls summed, held-out
+pass@1, start-up, learner step and CPU averaged), and each round's completions/s is printed too.
+
     pip install -e '.[bench]'
-    python3 benchmarks/vs_trl.py [--steps 250] [--only trl grpo c3po] [section.field=value ...]
+    python3 benchmarks/vs_trl.py [--steps 250] [--rounds 2] [--only trl grpo c3po] [section.field=value ...]
     python3 benchmarks/vs_trl.py --quick --model tiny       # smoke: a few steps, a small evaluation
 """
 
@@ -143,43 +148,78 @@ def run_trl(model: str, cfg, steps: int, out_dir: str) -> dict:
     return result
 
 
+def one_side(side: str, model: str, base, overrides, steps: int, out_dir: str) -> dict:
+    """One training of `side` and the held-out report of its final checkpoint."""
+    from threepo.deploy.cli import evaluate_policy
+
+    if side == "trl":
+        print(f"[trl] GRPOTrainer, {steps} steps x {base.runtime.prompts_per_step} prompts x "
+              f"{base.algo.group_size}", file=sys.stderr)
+        trl = run_trl(model, base, steps, out_dir)
+        report = evaluate_policy(base, trl["final_checkpoint"], label="trl held-out")
+        r = {**trl, "rollouts": trl["completions"], "heldout": report.__dict__}
+    else:
+        r = _common.train_run(model, [*overrides, f"runtime.steps={steps}"], side, recipe=RECIPES[side],
+                              heldout=True, runs_dir=out_dir)
+        # training and the final checkpoint on disk, as TRL's (the report plotted after is not counted)
+        r["wall_s"], r["rollouts"] = r["summary"]["wall_s"], r["summary"]["consumed_rollouts"]
+    r["completions_per_s"] = r["rollouts"] / r["wall_s"]
+    return r
+
+
+def pooled(runs: list[dict]) -> dict:
+    """One side over its rounds: rollouts and wall summed (completions/s = their ratio), held-out
+    pass@1, start-up, learner step and CPU per step averaged; the last round's rows and details."""
+    out = dict(runs[-1])
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    out["rollouts"], out["wall_s"] = sum(r["rollouts"] for r in runs), sum(r["wall_s"] for r in runs)
+    out["completions_per_s"] = out["rollouts"] / out["wall_s"]
+    out["heldout"] = {**runs[-1]["heldout"], "pass_at_1": mean([r["heldout"]["pass_at_1"] for r in runs])}
+    for key in ("startup_s", "learner_step_s"):
+        if key in out:
+            out[key] = mean([r[key] for r in runs])
+    if "cpu" in out:
+        out["cpu"] = {**out["cpu"], "machine_busy": mean([r["cpu"]["machine_busy"] for r in runs]),
+                      "per_step_s": {k: mean([r["cpu"]["per_step_s"][k] for r in runs]) for k in out["cpu"]["per_step_s"]}}
+    out["rounds"] = [{"wall_s": r["wall_s"], "completions_per_s": r["completions_per_s"],
+                      "heldout_pass_at_1": r["heldout"]["pass_at_1"]} for r in runs]
+    return out
+
+
 def main() -> None:
     p = _common.parser(__doc__)
     p.add_argument("--steps", type=int, default=250, help="learner steps of every side")
     p.add_argument("--only", nargs="+", choices=SIDES, default=list(SIDES), help="sides to run")
     p.add_argument("--keep", default="", help="keep run directories and final checkpoints under this directory")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds of every side, in alternating order (ABC CBA), figures pooled over them "
+                        "(default 2; --quick 1)")
     args = p.parse_args()
     if args.quick:
         args.steps = 4
+    args.rounds = args.rounds or (1 if args.quick else 2)
     overrides = [*(QUICK if args.quick else ()), *args.overrides]
     model = _common.model_path(args)
     work = args.keep or tempfile.mkdtemp(prefix="threepo-vs-trl-")
     os.makedirs(work, exist_ok=True)
     from threepo.deploy.cli import evaluate_policy
 
-    runs: dict = {}
+    rounds: list[dict] = []
     try:
         base = _common.config(model, [*overrides, f"runtime.steps={args.steps}"], recipe=RECIPES["grpo"])
         budget = args.steps * base.runtime.prompts_per_step * base.algo.group_size
         start = evaluate_policy(base, model, label="start held-out")
-        if "trl" in args.only:
-            print(f"[trl] GRPOTrainer, {args.steps} steps x {base.runtime.prompts_per_step} prompts x "
-                  f"{base.algo.group_size}", file=sys.stderr)
-            trl = run_trl(model, base, args.steps, os.path.join(work, "trl"))
-            report = evaluate_policy(base, trl["final_checkpoint"], label="trl held-out")
-            runs["trl"] = {**trl, "rollouts": trl["completions"], "heldout": report.__dict__}
-        for side in ("grpo", "c3po"):
-            if side in args.only:
-                r = _common.train_run(model, [*overrides, f"runtime.steps={args.steps}"], side,
-                                      recipe=RECIPES[side], heldout=True, runs_dir=os.path.join(work, side))
-                # training and the final checkpoint on disk, as TRL's (the report plotted after is not counted)
-                r["wall_s"], r["rollouts"] = r["summary"]["wall_s"], r["summary"]["consumed_rollouts"]
-                runs[side] = r
+        for n in range(args.rounds):  # ABC CBA ...: a machine whose speed drifts favours no side
+            order = [side for side in SIDES if side in args.only][::1 if n % 2 == 0 else -1]
+            rounds.append({side: one_side(side, model, base, overrides, args.steps, os.path.join(work, f"{side}-{n}"))
+                           for side in order})
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    for r in runs.values():
-        r["completions_per_s"] = r["rollouts"] / r["wall_s"]
+    runs = {side: pooled([r[side] for r in rounds]) for side in SIDES if side in rounds[0]}
+    if args.rounds > 1:
+        _common.table("completions/s of each round", ["run", *(f"round {n + 1}" for n in range(args.rounds))],
+                      [[side, *(r[side]["completions_per_s"] for r in rounds)] for side in runs])
     ref = runs.get("trl")
     rows = [["start checkpoint", "-", "-", "-", "-", start.pass_at_1, "-", "-"]]
     for side, r in runs.items():
@@ -188,7 +228,8 @@ def main() -> None:
                      r["completions_per_s"] / ref["completions_per_s"] if ref else "-",
                      r["heldout"]["pass_at_1"] - ref["heldout"]["pass_at_1"] if ref else "-"])
     _common.table(f"threepo vs TRL GRPOTrainer: {args.steps} steps x {base.runtime.prompts_per_step} prompts x "
-                  f"{base.algo.group_size} rollouts = {budget:,} each, max_new_tokens {base.sampler.max_new_tokens}, "
+                  f"{base.algo.group_size} rollouts = {budget:,} each, {args.rounds} round(s), "
+                  f"max_new_tokens {base.sampler.max_new_tokens}, "
                   f"held-out {base.eval.num_items} items x {base.eval.samples_per_item} samples",
                   ["run", "rollouts", "start-up s", "wall s", "completions/s", "held-out pass@1", "completions/s x trl",
                    "pass@1 - trl"], rows)
