@@ -47,6 +47,7 @@ over the held-out items (items as the unit, which overstates the noise of severa
 c3po grpo trl, ...), so that a machine whose speed drifts over the minutes a round takes (25-35%
 here) favours no side; each side's figures pool its rounds (rollouts and walls summed, held-out
 pass@1, start-up, learner step and CPU averaged), and each round's completions/s is printed too.
+TRL trains with no Ray cluster up (a threepo side's local cluster is shut down before it).
 
     pip install -e '.[bench]'
     python3 benchmarks/vs_trl.py [--steps 250] [--rounds 2] [--only trl grpo c3po] [section.field=value ...]
@@ -153,6 +154,10 @@ def one_side(side: str, model: str, base, overrides, steps: int, out_dir: str) -
     from threepo.deploy.cli import evaluate_policy
 
     if side == "trl":
+        import ray
+
+        if ray.is_initialized():  # an idle local cluster left by a threepo side takes CPU from TRL's run
+            ray.shutdown()
         print(f"[trl] GRPOTrainer, {steps} steps x {base.runtime.prompts_per_step} prompts x "
               f"{base.algo.group_size}", file=sys.stderr)
         trl = run_trl(model, base, steps, out_dir)
