@@ -34,8 +34,9 @@ def _cfg(tmp_path, model_path, *overrides):
 
 
 def _metrics(run_dir):
+    """The rows of metrics.jsonl; a line the driver is still writing (no newline yet) is not a row."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [json.loads(line) for line in f if line.endswith("\n")]
 
 
 def _exact(run_dir, summary, steps, rollouts_per_step):
