@@ -110,6 +110,10 @@ class RuntimeConfig:
     on loopback; 0.0.0.0 serves it on every interface, for a Prometheus on another machine."""
     max_reissues: int = 5
     """A request re-issued more often than this (crashes, checksum mismatches, infra errors) stops the run."""
+    sampler_restart_s: float = 900.0
+    """Fixed pool: how long the driver waits for a sampler that Ray is restarting (its requests go
+    to the other samplers or wait; none is spent) before it stops the run. An engine loading a
+    large model takes minutes."""
     max_restores: int = 3
     """Times the driver restarts a dead learner or posterior server from the latest checkpoint by
     itself before it stops with the resume command (0 = stop at once)."""
@@ -118,6 +122,8 @@ class RuntimeConfig:
     step, `batching.logged_groups` reads them as groups) to `rollouts.log` in the run directory."""
 
     def __post_init__(self) -> None:
+        if not self.sampler_restart_s > 0:
+            raise ValueError(f"runtime.sampler_restart_s: expected > 0, got {self.sampler_restart_s}")
         if self.num_samplers < 0 or self.request_samplers < 0 or not self.pool_check_s > 0:
             raise ValueError("runtime.num_samplers and runtime.request_samplers: expected >= 0 (num_samplers 0 ="
                              " elastic), runtime.pool_check_s: expected > 0")

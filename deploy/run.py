@@ -78,7 +78,8 @@ class Loop:
     pending: object = None                          # a checkpoint being written
     reported: dict = field(default_factory=dict)
     restarts: RestartCounter = field(default_factory=RestartCounter)
-    joining: set = field(default_factory=set)       # elastic pool: samplers started, not answering yet
+    joining: set = field(default_factory=set)       # samplers started or restarting, not answering yet
+    restarting: dict = field(default_factory=dict)  # fixed pool: sampler -> when it was first seen restarting
     backlog: list = field(default_factory=list)     # requests waiting for a sampler to exist
     pool_checked: float = 0.0
 
@@ -209,12 +210,18 @@ def grow_pool(s: Loop) -> None:
 
 def joined(s: Loop, done, index: int) -> None:
     """A new or restarted sampler answered: route to it from now on. One still restarting is asked
-    again (Ray answers for it after ~2 s); one that is gone for good is dropped."""
+    again (Ray fails a call to it after ~2 s), for at most `runtime.sampler_restart_s`; one that is
+    gone for good is dropped."""
     s.joining.discard(index)
     try:
         ray.get(done)
+        s.restarting.pop(index, None)
     except ray.exceptions.ActorUnavailableError:
         if s.cfg.runtime.num_samplers:
+            waited, limit = time.monotonic() - s.restarting.get(index, time.monotonic()), s.cfg.runtime.sampler_restart_s
+            if waited > limit:
+                raise PersistentFailure(f"sampler {index} has been restarting for {waited:.0f} s "
+                                        f"(runtime.sampler_restart_s={limit:g})") from None
             rejoin(s, index)
             return
         s.roles.samplers[index] = None
@@ -226,6 +233,7 @@ def joined(s: Loop, done, index: int) -> None:
 def rejoin(s: Loop, index: int) -> None:
     """Route around sampler `index` (fixed pool, being restarted by Ray) until it answers again:
     requests sent to it meanwhile would fail without running and spend their re-issues."""
+    s.restarting.setdefault(index, time.monotonic())
     if index not in s.joining:
         s.joining.add(index)
         s.inflight[s.roles.samplers[index].stats.remote()] = ("joined", index)

@@ -117,8 +117,8 @@ def test_a_restarting_sampler_is_routed_around_until_it_answers_again(monkeypatc
     class Sampler:
         stats = SimpleNamespace(remote=lambda: probes.append(len(probes)) or f"probe{len(probes)}")
 
-    s = SimpleNamespace(cfg=load_config(None, []), roles=SimpleNamespace(samplers=[Sampler()]), joining=set(),
-                        inflight={}, backlog=[])
+    s = SimpleNamespace(cfg=load_config(None, ["runtime.sampler_restart_s=600"]),
+                        roles=SimpleNamespace(samplers=[Sampler()]), joining=set(), restarting={}, inflight={}, backlog=[])
     run.rejoin(s, 0)
     run.rejoin(s, 0)  # already waited for: one probe
     assert s.joining == {0} and s.inflight == {"probe1": ("joined", 0)}
@@ -137,12 +137,20 @@ def test_a_restarting_sampler_is_routed_around_until_it_answers_again(monkeypatc
     monkeypatch.setattr(run, "dispatch", lambda s, requests: routed.append((set(s.joining), s.backlog)))
     run.joined(s, s.inflight.pop("probe2"), 0)
     assert routed == [(set(), ["request"])]  # live again: the backlog goes out
-    assert s.roles.samplers[0] is not None
+    assert s.roles.samplers[0] is not None and s.restarting == {}
+
+    monkeypatch.setattr(ray, "get", still_restarting)
+    run.rejoin(s, 0)
+    s.restarting[0] -= 601  # restarting for longer than runtime.sampler_restart_s: the run stops
+    with pytest.raises(run.PersistentFailure, match="sampler 0 has been restarting for 601 s"):
+        run.joined(s, s.inflight.pop("probe3"), 0)
+    s.restarting.clear()
 
     def gone(ref):
         raise ray.exceptions.ActorDiedError()
 
     monkeypatch.setattr(ray, "get", gone)
+    s.joining.clear()
     run.rejoin(s, 0)
-    run.joined(s, s.inflight.pop("probe3"), 0)
+    run.joined(s, s.inflight.pop("probe4"), 0)
     assert s.roles.samplers[0] is None and s.joining == set()  # gone for good: dropped
