@@ -157,19 +157,28 @@ def served_noise_ratio(mean: torch.Tensor, theta: torch.Tensor, dtype: torch.dty
     return float(served.square().sum()), intended
 
 
+def served_noise_ratio_of(means: Mapping[str, torch.Tensor], thetas: Mapping[str, torch.Tensor],
+                          dtype: torch.dtype) -> float:
+    """The served-noise ratio sqrt(Σ a / Σ b) over the tensors of `thetas` (`served_noise_ratio`'s
+    (a, b) per tensor; m from `means`): 1 in fp32 without a pass over the weights, since fp32
+    serves θ̂ exactly; 1 when nothing is perturbed."""
+    if dtype == torch.float32:
+        return 1.0
+    parts = [served_noise_ratio(means[n], theta, dtype) for n, theta in thetas.items()]
+    intended = sum(b for _, b in parts)
+    return (sum(a for a, _ in parts) / intended) ** 0.5 if intended else 1.0
+
+
 def estimated_noise_ratio(means: Mapping, sigmas: Mapping, dtype: str, *, seed: int,
                           max_points: int = 1 << 16) -> float:
     """The served-noise ratio of `served_noise_ratio`, estimated from up to `max_points` strided
     elements per tensor with z drawn for those elements only (for engines whose workers hold m and
     σ out of reach). Inputs: fp32 arrays or tensors by name; `dtype` a torch dtype name."""
-    served, intended = 0.0, 0.0
-    target = getattr(torch, dtype)
+    points, thetas = {}, {}
     for name, sigma in sigmas.items():
         m = torch.as_tensor(means[name]).float().flatten()
         s = torch.as_tensor(sigma).float().flatten()
         stride = max(1, m.numel() // max_points)
-        m, s = m[::stride], s[::stride]
-        theta = m + s * noise_like(seed, name, m.shape)
-        a, b = served_noise_ratio(m, theta, target)
-        served, intended = served + a, intended + b
-    return (served / intended) ** 0.5 if intended else 1.0
+        points[name], s = m[::stride], s[::stride]
+        thetas[name] = points[name] + s * noise_like(seed, name, points[name].shape)
+    return served_noise_ratio_of(points, thetas, getattr(torch, dtype))

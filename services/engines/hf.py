@@ -284,11 +284,7 @@ class HFEngine:
             return self._slots[key]
         theta = param_noise.perturbed_state(self._mean, self._sigma or {}, noise.seed, noise.scale)
         served = {n: t.to(self.dtype) for n, t in theta.items()}
-        ratio = 1.0  # fp32 serves θ̂ exactly (served_noise_ratio's two sums are equal)
-        if self.dtype != torch.float32:
-            parts = [param_noise.served_noise_ratio(self._mean[n], theta[n], self.dtype) for n in theta]
-            intended = sum(b for _, b in parts)
-            ratio = (sum(a for a, _ in parts) / intended) ** 0.5 if intended else 1.0
+        ratio = param_noise.served_noise_ratio_of(self._mean, theta, self.dtype)
         frozen = [p for n, p in self.model.named_parameters() if n not in served]
         entry = (served, ratio, param_noise.value_fingerprint([*served.values(), *frozen]))
         if noise.seed is not None and len(self._slots) < self.cfg.slot_cache:

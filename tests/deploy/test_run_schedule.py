@@ -150,7 +150,6 @@ def test_a_restarting_sampler_is_routed_around_until_it_answers_again(monkeypatc
         raise ray.exceptions.ActorDiedError()
 
     monkeypatch.setattr(ray, "get", gone)
-    s.joining.clear()
     run.rejoin(s, 0)
     run.joined(s, s.inflight.pop("probe4"), 0)
     assert s.roles.samplers[0] is None and s.joining == set()  # gone for good: dropped
