@@ -23,6 +23,7 @@ from typing import Any
 import ray
 
 from threepo.deploy.config import RunConfig
+from threepo.deploy.cores import drift_process
 from threepo.services.engines.base import SamplerConfig
 from threepo.services.learner import Learner
 from threepo.services.posterior import PosteriorConfig, PosteriorServer
@@ -351,7 +352,7 @@ def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str,
     kwargs = dict(temperature=cfg.sampler.temperature, max_new_tokens=cfg.sampler.max_new_tokens,
                   threads=max(1, int(rt.learner_cpus)), vp2o=cfg.vp2o, device=cfg.learner.device,
                   deepspeed_stage=cfg.learner.deepspeed_stage, shared_prefix=cfg.learner.shared_prefix,
-                  beside=cfg.learner.drift_process, checkpoint=checkpoint, rollout_log=log)
+                  beside=drift_process(cfg)[0], checkpoint=checkpoint, rollout_log=log)
     if cfg.learner.grouped:  # R ranks behind the same methods (deploy/learner_group.py)
         from threepo.deploy.learner_group import start_learner_group
 

@@ -11,10 +11,14 @@ started, the learner's own helper processes included) to the others; `release` g
 the driver's cores. It applies to a local cluster (`runtime.ray_address` empty) on Linux, with one
 learner process on CPU and a core to spare; elsewhere on a local cluster it does nothing and says why
 (a joined cluster's placement is the cluster's: Kubernetes' CPU limits, Ray's resources).
+
+`drift_process` decides, the same way, whether the learner's drift process (`learner.drift_process`)
+has a core to run on: without one it takes CPU from the sampler engine, which then paces the run.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 from threepo.deploy.config import RunConfig
@@ -103,6 +107,26 @@ class CorePlacement:
         if self.cores is not None:
             for pid in [os.getpid(), *descendants(os.getpid())]:
                 set_cores(pid, self.original)
+
+
+def drift_process(cfg: RunConfig) -> tuple[bool, str]:
+    """(whether the learner's drift forward runs in a process of its own, why not where
+    `learner.drift_process` asks for it). On a local cluster with a fixed sampler pool the process
+    needs a core beyond ⌈learner_cpus⌉ + num_samplers × sampler_cpus among the driver's: with none
+    it shares the sampler's core, and the engine, slowed, paces the run (2 cores, one sampler: a
+    default C3PO run took 50.1 s against 43.2 s with the forward in the learner). A joined cluster or an
+    elastic pool, whose cores the driver cannot count, keeps the setting, as does a learner that
+    has no drift process (AdamW, R ranks, a GPU)."""
+    rt, learner = cfg.runtime, cfg.learner
+    used = cfg.optim.name == "ivon" and not learner.grouped and learner.device == "cpu"  # as the learner has it
+    if not (learner.drift_process and used) or rt.ray_address or not rt.num_samplers:
+        return learner.drift_process, ""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    taken = math.ceil(rt.learner_cpus) + rt.num_samplers * rt.sampler_cpus
+    if cores - taken >= 1:
+        return True, ""
+    return False, (f"the drift forward runs in the learner: {cores} core(s) leave none beside the learner's "
+                   f"and the samplers' ({taken:g}) for its process (learner.drift_process)")
 
 
 def _cores(cores: set[int]) -> str:

@@ -30,7 +30,7 @@ from threepo.deploy import checkpoints
 from threepo.deploy.actors import Roles, init_ray, start_roles, start_stateful, stop_roles
 from threepo.deploy.bookkeeping import Ledger, PersistentFailure, PromptStream, Readmission
 from threepo.deploy.config import RunConfig
-from threepo.deploy.cores import CorePlacement
+from threepo.deploy.cores import CorePlacement, drift_process
 from threepo.deploy.metrics import RestartCounter
 from threepo.deploy.outputs import RunLog, Window, record_driver_metrics, resume_metrics_file
 from threepo.services.verifiers.base import VerifierOutage
@@ -91,8 +91,9 @@ def train(cfg: RunConfig, run_dir: str, policy_path: str, resume_from: str | Non
     init_ray(cfg)
     roles = start_roles(cfg, policy_path, run_dir, checkpoint=resume_from)
     cores = CorePlacement(cfg)
-    if str(cores):
-        print(f"threepo: {cores}")
+    for line in (str(cores), drift_process(cfg)[1]):
+        if line:
+            print(f"threepo: {line}")
     try:
         for restore in range(cfg.runtime.max_restores + 1):
             try:

@@ -253,9 +253,12 @@ class LearnerConfig:
     when prompts are as long as completions). VP2O's routing hooks keep the plain forward."""
     drift_process: bool = True
     """IVON on one CPU rank: run the drift diagnostic's no-grad forward at a slot (the sync budget's
-    KL and ESS) in a process of its own beside the update (services/beside.py), on the core the
-    sampler leaves idle, instead of on the learner's. It holds a second copy of the model; until it
-    has loaded it (seconds) the learner computes those forwards itself. false: always itself."""
+    KL and ESS) in a process of its own beside the update (services/beside.py), on a core the
+    samplers leave idle, instead of on the learner's. It holds a second copy of the model; until it
+    has loaded it (seconds) the learner computes those forwards itself. false: always itself. A
+    local run with a fixed sampler pool starts it only where a core is left beside the learner's
+    and the samplers' CPUs (deploy/cores.py `drift_process`; the driver says when it does not: on 2
+    cores with one sampler the process would slow the engine more than it spares the learner)."""
     timeout_s: float = 300.0
     """Longest wait of one collective: a rank that stops answering fails the group after this, and
     the driver restores the learner from the latest checkpoint (a dead rank fails it at once)."""

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from threepo.deploy.config import load_config
-from threepo.deploy.cores import CorePlacement, descendants, split
+from threepo.deploy.cores import CorePlacement, descendants, drift_process, split
 
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
@@ -36,6 +36,20 @@ def test_where_it_applies_and_what_it_says_where_it_does_not(monkeypatch):
     alone.place(os.getpid())
     alone.release()
     assert moved == []
+
+
+def test_the_drift_process_runs_only_with_a_core_of_its_own(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    on, why = drift_process(load_config(None, []))  # 1 learner core + 1 sampler: none left
+    assert not on and "2 core(s)" in why and "learner.drift_process" in why
+    assert drift_process(load_config(None, ["runtime.sampler_cpus=0.5"]))[0] is False  # half a core is not one
+    assert drift_process(load_config(None, ["learner.drift_process=false"])) == (False, "")
+    assert drift_process(load_config(None, ["runtime.ray_address=auto"])) == (True, "")  # the cluster's cores
+    assert drift_process(load_config(None, ["runtime.num_samplers=0"])) == (True, "")  # elastic: samplers elsewhere
+    assert drift_process(load_config("grpo_baseline", [])) == (True, "")  # AdamW has no drift process: nothing to say
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert drift_process(load_config(None, [])) == (True, "")
+    assert drift_process(load_config(None, ["runtime.num_samplers=2"]))[0] is False
 
 
 @pytest.mark.skipif(len(CORES) < 2, reason="needs two cores")
