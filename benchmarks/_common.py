@@ -90,7 +90,7 @@ def train_run(model: str, overrides, label: str, recipe: str | None = None, held
 
     from threepo.deploy.actors import init_ray, start_roles, stop_roles
     from threepo.deploy.cli import evaluate_policy, make_run_dir
-    from threepo.deploy.cores import CorePlacement
+    from threepo.deploy.cores import CorePlacement, drift_process
     from threepo.deploy.run import run
 
     keep = contextlib.nullcontext(runs_dir) if runs_dir else tempfile.TemporaryDirectory(prefix="threepo-bench-")
@@ -109,6 +109,8 @@ def train_run(model: str, overrides, label: str, recipe: str | None = None, held
             if cores.cores:  # as `threepo train` does (runtime.pin_learner)
                 cores.place(ray.get(roles.learner.process_id.remote()))
                 print(f"[{label}] {cores}", file=sys.stderr)
+            if drift_process(cfg)[1]:
+                print(f"[{label}] {drift_process(cfg)[1]}", file=sys.stderr)
             meter = CpuMeter(roles)
             started = time.monotonic()
             summary = run(cfg, run_dir, roles)
