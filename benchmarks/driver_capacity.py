@@ -17,11 +17,14 @@ work left:
   figures cover the loop only (not start-up, the final checkpoint or the report);
 - the posterior server is the real PosteriorActor (it plans the versions the driver admits under).
 Fake actors take num_cpus=0, so 64 of them fit on a 2-core machine; they share its cores with the
-driver, which makes the figure a lower bound of the driver's capacity.
+driver, which makes the figure a lower bound of the driver's capacity (on 2 cores, 64 Ray actor
+processes take about a core between them, 0.4 of it idle).
 
 Figures over steps `--warmup`+1 .. T-1: completions/s = consumed rollouts / wall time, requests/s
-and sampler calls/s (the driver's work is per call and per request more than per completion), and
-driver CPU seconds per completion and per wall second (cores). `--profile` samples the driver
+and sampler calls/s (the driver's work is per call and per request more than per completion),
+driver CPU seconds per completion and per wall second (cores), completions per driver CPU second
+(what a driver with a core of its own would route, the rest of the run keeping up) and the
+machine's busy share (/proc/stat: a full machine bounds completions/s). `--profile` samples the driver
 process with py-spy during the run (non-blocking: the figures stay nearly undisturbed; without
 py-spy, cProfile, which slows the driver) and prints where its CPU goes (`Profiler`).
 
@@ -48,6 +51,13 @@ def driver_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent busy (every state but idle and iowait), from /proc/stat."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 class FakeSampler:
@@ -123,7 +133,8 @@ class FakeLearner:
         publish = bool(self.publish_every) and self.steps % self.publish_every == 0
         metrics = {"step_time_s": 0.0, "reward_mean": 0.5, "staleness_max": 0.0, "staleness_mean": 0.0,
                    "completion_tokens": float(sum(len(b.token_ids) for b in arrays[:n_batches])), "rows": float(rows),
-                   "clock_s": time.monotonic(), "driver_cpu_s": driver_cpu_s(self.driver_pid)}
+                   "clock_s": time.monotonic(), "driver_cpu_s": driver_cpu_s(self.driver_pid),
+                   "machine_busy_s": machine_busy_s()}
         result = StepResult(step=self.steps, metrics=metrics, publish=publish, publish_reason="budget" if publish else None)
         return result, self.published("budget") if publish else None
 
@@ -282,7 +293,9 @@ def figures(rows: list[dict], warmup: int) -> dict:
     cpu = b["driver_cpu_s"] - a["driver_cpu_s"]
     return {"timed_steps": len(rows) - 1 - warmup, "wall_s": wall, "completions": completions,
             "completions_per_s": completions / wall, "driver_cpu_s": cpu, "driver_cores": cpu / wall,
-            "driver_cpu_us_per_completion": 1e6 * cpu / completions}
+            "driver_cpu_us_per_completion": 1e6 * cpu / completions,
+            "per_driver_core_s": completions / cpu,
+            "machine_busy": (b["machine_busy_s"] - a["machine_busy_s"]) / (wall * os.cpu_count())}
 
 
 def main() -> None:
@@ -314,6 +327,8 @@ def main() -> None:
             ["requests/s", result["completions_per_s"] * requests_per_step / per_step],
             ["driver cores (CPU s / wall s)", result["driver_cores"]],
             ["driver CPU µs / completion", result["driver_cpu_us_per_completion"]],
+            ["completions per driver CPU s (a driver with a core of its own)", result["per_driver_core_s"]],
+            ["machine busy (all cores)", result["machine_busy"]],
             ["completions per sampler call (whole run)", result["rows_per_call"]],
             ["timed steps / completions", f"{result['timed_steps']} / {result['completions']:,}"],
             ["wall s", result["wall_s"]]]
@@ -323,7 +338,8 @@ def main() -> None:
                   f"requests_per_call {rt.requests_per_call}, max_offpolicy {rt.max_offpolicy}",
                   ["figure", "value"], rows)
     print(f"completions/s {result['completions_per_s']:,.0f} (target >= 20,000) with the driver at "
-          f"{result['driver_cores']:.2f} cores (target < 1)")
+          f"{result['driver_cores']:.2f} cores (target < 1); {result['per_driver_core_s']:,.0f} per driver CPU "
+          f"second, the machine {100 * result['machine_busy']:.0f}% busy")
     out = {"figures": result, "config": {"samplers": rt.num_samplers, "prompts_per_step": rt.prompts_per_step,
                                          "group_size": algo.group_size, "n_slots": algo.n_slots,
                                          "requests_per_call": rt.requests_per_call},
