@@ -254,10 +254,16 @@ def table(title: str, headers: list[str], rows: list[list]) -> str:
     return text
 
 
+def results_path(name: str, quick: bool, ext: str = "json") -> str:
+    """benchmarks/results/<name>.<ext> (git-ignored), <name>_quick.<ext> for a `--quick` run, so a
+    smoke run leaves a full run's figures in place."""
+    return os.path.join(RESULTS_DIR, f"{name}_quick.{ext}" if quick else f"{name}.{ext}")
+
+
 def write_results(name: str, data: dict) -> str:
-    """benchmarks/results/<name>.json (git-ignored)."""
+    """`data` as JSON at `results_path(name, data["args"]["quick"])`."""
     os.makedirs(RESULTS_DIR, exist_ok=True)
-    path = os.path.join(RESULTS_DIR, f"{name}.json")
+    path = results_path(name, bool(data.get("args", {}).get("quick")))
     with open(path, "w") as f:
         json.dump(data, f, indent=2, default=str)
     print(f"results: {path}")

@@ -21,8 +21,9 @@ the outputs of each token's selected experts, algorithms.moe.expert_orthogonalit
 prompts). Targets (issue 13, task where GRPO stalls): C3PO ≥ GRPO + 0.02 held-out pass@1 and ≥ 30%
 fewer zero-advantage groups; c3po_dead rescues ≥ 10% of dead groups where GRPO rescues < 5%.
 
-Writes benchmarks/results/exploration_study.{json,md,png} (the .md table is the one for
-benchmarks/README.md); run directories with final checkpoints under results/exploration_study/.
+Writes benchmarks/results/exploration_study.{json,md,png} (exploration_study_quick.* with
+`--quick`; the .md table is the one for benchmarks/README.md); run directories with final
+checkpoints under results/exploration_study/.
 `--resume` skips the runs already in the JSON file (a long study can be stopped and continued).
 
     python3 benchmarks/exploration_study.py --quick    # smoke: a few minutes on 2 cores
@@ -285,7 +286,7 @@ def main() -> None:
         args.sizes = ["runtime.prompts_per_step=4", "algo.group_size=8", "eval.num_items=32",
                       "eval.samples_per_item=4", "eval.k=4"]
     args.seed_list = list(range(args.seeds))
-    path = os.path.join(_common.RESULTS_DIR, "exploration_study.json")
+    path = _common.results_path("exploration_study", args.quick)
     results = []
     if args.resume and os.path.exists(path):
         with open(path) as f:
@@ -308,10 +309,10 @@ def main() -> None:
     text = markdown(table)
     lines = targets(table)
     print("\n" + text + "\n\n" + "\n".join(lines))
-    with open(os.path.join(_common.RESULTS_DIR, "exploration_study.md"), "w") as f:
+    with open(_common.results_path("exploration_study", args.quick, "md"), "w") as f:
         f.write(text + "\n\n" + "\n".join(f"- {line}" for line in lines) + "\n")
-    plot(results, table, os.path.join(_common.RESULTS_DIR, "exploration_study.png"))
-    print(f"\n{len(todo)} runs in {wall / 60:.1f} min; figures in {_common.RESULTS_DIR}/exploration_study.*")
+    plot(results, table, _common.results_path("exploration_study", args.quick, "png"))
+    print(f"\n{len(todo)} runs in {wall / 60:.1f} min; figures in {_common.results_path('exploration_study', args.quick, '*')}")
     for r in new:
         loop = r["run_wall_s"] / r["steps"]
         print(f"  {r['task']}/{r['arm']}/s{r['seed']}: {loop:.2f} s/step, start-up {r['startup_s']:.0f} s, "
