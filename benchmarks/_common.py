@@ -101,7 +101,8 @@ def train_run(model: str, overrides, label: str, recipe: str | None = None, held
               f"G={cfg.algo.group_size} optim={cfg.optim.name}, {cfg.runtime.steps} steps", file=sys.stderr)
         init_ray(cfg)
         started = time.monotonic()
-        roles, cores = start_roles(cfg, model, run_dir), CorePlacement(cfg)
+        cores = CorePlacement(cfg)
+        roles = start_roles(cfg, model, run_dir, cores=cores.original)
         try:
             actors = [roles.posterior, roles.learner, *roles.samplers, *roles.verifiers]
             ray.get([a.__ray_ready__.remote() for a in actors])  # every role constructed: its model loaded
@@ -109,8 +110,8 @@ def train_run(model: str, overrides, label: str, recipe: str | None = None, held
             if cores.cores:  # as `threepo train` does (runtime.pin_learner)
                 cores.place(ray.get(roles.learner.process_id.remote()))
                 print(f"[{label}] {cores}", file=sys.stderr)
-            if drift_process(cfg)[1]:
-                print(f"[{label}] {drift_process(cfg)[1]}", file=sys.stderr)
+            if drift_process(cfg, cores.original)[1]:
+                print(f"[{label}] {drift_process(cfg, cores.original)[1]}", file=sys.stderr)
             meter = CpuMeter(roles)
             started = time.monotonic()
             summary = run(cfg, run_dir, roles)

@@ -288,9 +288,11 @@ class Roles:
     run_dir: str = ""
 
 
-def start_roles(cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str | None = None) -> Roles:
+def start_roles(cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str | None = None,
+                cores: set[int] | None = None) -> Roles:
     """Create every role as an actor named `<run id>-<role>[-i]`; resources and restart policies come
-    from `cfg.runtime`. `checkpoint` restores the learner and the posterior server from a checkpoint."""
+    from `cfg.runtime`. `checkpoint` restores the learner and the posterior server from a checkpoint;
+    `cores`: the driver's cores before any placement (deploy/cores.py `drift_process`)."""
     rt = cfg.runtime
     check_backend_installed(cfg)
     env, run_id = {"env_vars": ACTOR_ENV}, os.path.basename(os.path.abspath(run_dir))
@@ -316,7 +318,7 @@ def start_roles(cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str 
             policy_path, dataclasses.replace(sampler_cfg, backend="hf", batch_size=cfg.eval.batch_size), eval_items(cfg),
             cfg.verifier, auth_token(cfg.verifier.auth_env))
     roles = Roles(None, samplers, verifiers, None, evaluator, policy_path=policy_path, run_dir=run_dir)
-    start_stateful(roles, cfg, policy_path, run_dir, checkpoint)
+    start_stateful(roles, cfg, policy_path, run_dir, checkpoint, cores)
     return roles
 
 
@@ -335,9 +337,10 @@ def start_sampler(cfg: RunConfig, policy_path: str, run_dir: str, index: int):
     return ray.remote(SamplerActor).options(**options).remote(policy_path, cfg.sampler, index, cfg.model.dtype)
 
 
-def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str | None) -> None:
+def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str | None,
+                   cores: set[int] | None = None) -> None:
     """(Re)start the learner and the posterior server, from `checkpoint` when given (replacing dead
-    ones: a restore)."""
+    ones: a restore); `cores` as for `start_roles`."""
     rt, env = cfg.runtime, {"env_vars": ACTOR_ENV}
     suffix = f"-restore{roles.starts}" if roles.starts else ""  # a dead actor's name may linger
     name = os.path.basename(os.path.abspath(run_dir))
@@ -352,7 +355,7 @@ def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str,
     kwargs = dict(temperature=cfg.sampler.temperature, max_new_tokens=cfg.sampler.max_new_tokens,
                   threads=max(1, int(rt.learner_cpus)), vp2o=cfg.vp2o, device=cfg.learner.device,
                   deepspeed_stage=cfg.learner.deepspeed_stage, shared_prefix=cfg.learner.shared_prefix,
-                  beside=drift_process(cfg)[0], checkpoint=checkpoint, rollout_log=log)
+                  beside=drift_process(cfg, cores)[0], checkpoint=checkpoint, rollout_log=log)
     if cfg.learner.grouped:  # R ranks behind the same methods (deploy/learner_group.py)
         from threepo.deploy.learner_group import start_learner_group
 

@@ -109,23 +109,25 @@ class CorePlacement:
                 set_cores(pid, self.original)
 
 
-def drift_process(cfg: RunConfig) -> tuple[bool, str]:
+def drift_process(cfg: RunConfig, cores: set[int] | None = None) -> tuple[bool, str]:
     """(whether the learner's drift forward runs in a process of its own, why not where
     `learner.drift_process` asks for it). On a local cluster with a fixed sampler pool the process
-    needs a core beyond ⌈learner_cpus⌉ + num_samplers × sampler_cpus among the driver's: with none
-    it shares the sampler's core, and the engine, slowed, paces the run (2 cores, one sampler: a
-    default C3PO run took 50.1 s against 43.2 s with the forward in the learner). A joined cluster or an
-    elastic pool, whose cores the driver cannot count, keeps the setting, as does a learner that
-    has no drift process (AdamW, R ranks, a GPU)."""
+    needs a core beyond ⌈learner_cpus⌉ + num_samplers × sampler_cpus among `cores`, the driver's
+    cores before any placement (`CorePlacement.original`; default: its cores now). With none it
+    shares the sampler's core, and the engine, slowed, paces the run (2 cores, one sampler: a
+    default C3PO run took 50.1 s against 43.2 s with the forward in the learner). A joined cluster
+    or an elastic pool, whose cores the driver cannot count, keeps the setting, as does a learner
+    that has no drift process (AdamW, R ranks, a GPU)."""
     rt, learner = cfg.runtime, cfg.learner
     used = cfg.optim.name == "ivon" and not learner.grouped and learner.device == "cpu"  # as the learner has it
     if not (learner.drift_process and used) or rt.ray_address or not rt.num_samplers:
         return learner.drift_process, ""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if not cores:  # not given, or unknown (no sched_getaffinity)
+        cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     taken = math.ceil(rt.learner_cpus) + rt.num_samplers * rt.sampler_cpus
-    if cores - taken >= 1:
+    if len(cores) - taken >= 1:
         return True, ""
-    return False, (f"the drift forward runs in the learner: {cores} core(s) leave none beside the learner's "
+    return False, (f"the drift forward runs in the learner: {len(cores)} core(s) leave none beside the learner's "
                    f"and the samplers' ({taken:g}) for its process (learner.drift_process)")
 
 

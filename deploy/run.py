@@ -89,9 +89,9 @@ def train(cfg: RunConfig, run_dir: str, policy_path: str, resume_from: str | Non
     stop the roles. A dead learner or posterior server is restored from the latest checkpoint, at
     most `runtime.max_restores` times."""
     init_ray(cfg)
-    roles = start_roles(cfg, policy_path, run_dir, checkpoint=resume_from)
-    cores = CorePlacement(cfg)
-    for line in (str(cores), drift_process(cfg)[1]):
+    cores = CorePlacement(cfg)  # the driver's cores now, before the learner is placed (again after a restore)
+    roles = start_roles(cfg, policy_path, run_dir, checkpoint=resume_from, cores=cores.original)
+    for line in (str(cores), drift_process(cfg, cores.original)[1]):
         if line:
             print(f"threepo: {line}")
     try:
@@ -106,7 +106,7 @@ def train(cfg: RunConfig, run_dir: str, policy_path: str, resume_from: str | Non
                     raise RunStopped(f"{lost}; restored {restore} times already (runtime.max_restores): resume "
                                      f"with `threepo train --resume {run_dir}`") from None
                 print(f"train: {lost}; restoring from {resume_from or 'the start'}")
-                start_stateful(roles, cfg, policy_path, run_dir, resume_from)
+                start_stateful(roles, cfg, policy_path, run_dir, resume_from, cores.original)
     finally:
         cores.release()
         stop_roles(roles)

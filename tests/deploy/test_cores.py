@@ -50,6 +50,9 @@ def test_the_drift_process_runs_only_with_a_core_of_its_own(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
     assert drift_process(load_config(None, [])) == (True, "")
     assert drift_process(load_config(None, ["runtime.num_samplers=2"]))[0] is False
+    # a restore starts the learner after the driver was moved off the learner's core: the run's cores count
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert drift_process(load_config(None, []), cores={0, 1, 2}) == (True, "")
 
 
 @pytest.mark.skipif(len(CORES) < 2, reason="needs two cores")
