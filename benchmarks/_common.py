@@ -90,7 +90,7 @@ def train_run(model: str, overrides, label: str, recipe: str | None = None, held
 
     from threepo.deploy.actors import init_ray, start_roles, stop_roles
     from threepo.deploy.cli import evaluate_policy, make_run_dir
-    from threepo.deploy.cores import CorePlacement, drift_process
+    from threepo.deploy.cores import CorePlacement
     from threepo.deploy.run import run
 
     keep = contextlib.nullcontext(runs_dir) if runs_dir else tempfile.TemporaryDirectory(prefix="threepo-bench-")
@@ -102,16 +102,15 @@ def train_run(model: str, overrides, label: str, recipe: str | None = None, held
         init_ray(cfg)
         started = time.monotonic()
         cores = CorePlacement(cfg)
-        roles = start_roles(cfg, model, run_dir, cores=cores.original)
+        roles = start_roles(cfg, model, run_dir, cores=cores)
         try:
             actors = [roles.posterior, roles.learner, *roles.samplers, *roles.verifiers]
             ray.get([a.__ray_ready__.remote() for a in actors])  # every role constructed: its model loaded
             startup = time.monotonic() - started
             if cores.cores:  # as `threepo train` does (runtime.pin_learner)
                 cores.place(ray.get(roles.learner.process_id.remote()))
-                print(f"[{label}] {cores}", file=sys.stderr)
-            if drift_process(cfg, cores.original)[1]:
-                print(f"[{label}] {drift_process(cfg, cores.original)[1]}", file=sys.stderr)
+            for line in cores.lines():
+                print(f"[{label}] {line}", file=sys.stderr)
             meter = CpuMeter(roles)
             started = time.monotonic()
             summary = run(cfg, run_dir, roles)

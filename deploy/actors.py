@@ -23,7 +23,7 @@ from typing import Any
 import ray
 
 from threepo.deploy.config import RunConfig
-from threepo.deploy.cores import drift_process
+from threepo.deploy.cores import CorePlacement
 from threepo.services.engines.base import SamplerConfig
 from threepo.services.learner import Learner
 from threepo.services.posterior import PosteriorConfig, PosteriorServer
@@ -289,10 +289,11 @@ class Roles:
 
 
 def start_roles(cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str | None = None,
-                cores: set[int] | None = None) -> Roles:
+                cores: CorePlacement | None = None) -> Roles:
     """Create every role as an actor named `<run id>-<role>[-i]`; resources and restart policies come
     from `cfg.runtime`. `checkpoint` restores the learner and the posterior server from a checkpoint;
-    `cores`: the driver's cores before any placement (deploy/cores.py `drift_process`)."""
+    `cores`: the run's core placement, whose `drift_process` the learner follows (default: one
+    made now)."""
     rt = cfg.runtime
     check_backend_installed(cfg)
     env, run_id = {"env_vars": ACTOR_ENV}, os.path.basename(os.path.abspath(run_dir))
@@ -338,7 +339,7 @@ def start_sampler(cfg: RunConfig, policy_path: str, run_dir: str, index: int):
 
 
 def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str | None,
-                   cores: set[int] | None = None) -> None:
+                   cores: CorePlacement | None = None) -> None:
     """(Re)start the learner and the posterior server, from `checkpoint` when given (replacing dead
     ones: a restore); `cores` as for `start_roles`."""
     rt, env = cfg.runtime, {"env_vars": ACTOR_ENV}
@@ -355,7 +356,7 @@ def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str,
     kwargs = dict(temperature=cfg.sampler.temperature, max_new_tokens=cfg.sampler.max_new_tokens,
                   threads=max(1, int(rt.learner_cpus)), vp2o=cfg.vp2o, device=cfg.learner.device,
                   deepspeed_stage=cfg.learner.deepspeed_stage, shared_prefix=cfg.learner.shared_prefix,
-                  beside=drift_process(cfg, cores)[0], checkpoint=checkpoint, rollout_log=log)
+                  beside=(cores or CorePlacement(cfg)).drift_process, checkpoint=checkpoint, rollout_log=log)
     if cfg.learner.grouped:  # R ranks behind the same methods (deploy/learner_group.py)
         from threepo.deploy.learner_group import start_learner_group
 

@@ -14,6 +14,8 @@ learner process on CPU and a core to spare; elsewhere on a local cluster it does
 
 `drift_process` decides, the same way, whether the learner's drift process (`learner.drift_process`)
 has a core to run on: without one it takes CPU from the sampler engine, which then paces the run.
+`CorePlacement` takes that decision once, on the driver's cores before anything is placed, for
+every start of the learner (a restore included).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import math
 import os
 
 from threepo.deploy.config import RunConfig
+from threepo.services.learner_config import has_drift_process
 
 
 def split(cores: set[int], learner_cpus: float) -> tuple[set[int], set[int]] | None:
@@ -83,6 +86,11 @@ class CorePlacement:
             self.why_not = f"{len(self.original)} core(s), none to spare beside the learner's"
         else:
             self.cores, self.why_not = cores, ""
+        self.drift_process, self.drift_why = drift_process(cfg, self.original)  # before anything is placed
+
+    def lines(self) -> list[str]:
+        """What the driver prints about where the run's processes and the drift forward run."""
+        return [line for line in (str(self), self.drift_why) if line]
 
     def __str__(self) -> str:
         """What `place` does, or why it does nothing ('' where it was not asked to: off, or on a cluster)."""
@@ -119,7 +127,7 @@ def drift_process(cfg: RunConfig, cores: set[int] | None = None) -> tuple[bool, 
     or an elastic pool, whose cores the driver cannot count, keeps the setting, as does a learner
     that has no drift process (AdamW, R ranks, a GPU)."""
     rt, learner = cfg.runtime, cfg.learner
-    used = cfg.optim.name == "ivon" and not learner.grouped and learner.device == "cpu"  # as the learner has it
+    used = has_drift_process(cfg.optim.name, learner.ranks, learner.deepspeed_stage, learner.device)
     if not (learner.drift_process and used) or rt.ray_address or not rt.num_samplers:
         return learner.drift_process, ""
     if not cores:  # not given, or unknown (no sched_getaffinity)

@@ -30,7 +30,7 @@ from threepo.deploy import checkpoints
 from threepo.deploy.actors import Roles, init_ray, start_roles, start_stateful, stop_roles
 from threepo.deploy.bookkeeping import Ledger, PersistentFailure, PromptStream, Readmission
 from threepo.deploy.config import RunConfig
-from threepo.deploy.cores import CorePlacement, drift_process
+from threepo.deploy.cores import CorePlacement
 from threepo.deploy.metrics import RestartCounter
 from threepo.deploy.outputs import RunLog, Window, record_driver_metrics, resume_metrics_file
 from threepo.services.verifiers.base import VerifierOutage
@@ -90,10 +90,9 @@ def train(cfg: RunConfig, run_dir: str, policy_path: str, resume_from: str | Non
     most `runtime.max_restores` times."""
     init_ray(cfg)
     cores = CorePlacement(cfg)  # the driver's cores now, before the learner is placed (again after a restore)
-    roles = start_roles(cfg, policy_path, run_dir, checkpoint=resume_from, cores=cores.original)
-    for line in (str(cores), drift_process(cfg, cores.original)[1]):
-        if line:
-            print(f"threepo: {line}")
+    roles = start_roles(cfg, policy_path, run_dir, checkpoint=resume_from, cores=cores)
+    for line in cores.lines():
+        print(f"threepo: {line}")
     try:
         for restore in range(cfg.runtime.max_restores + 1):
             try:
@@ -106,7 +105,7 @@ def train(cfg: RunConfig, run_dir: str, policy_path: str, resume_from: str | Non
                     raise RunStopped(f"{lost}; restored {restore} times already (runtime.max_restores): resume "
                                      f"with `threepo train --resume {run_dir}`") from None
                 print(f"train: {lost}; restoring from {resume_from or 'the start'}")
-                start_stateful(roles, cfg, policy_path, run_dir, resume_from, cores.original)
+                start_stateful(roles, cfg, policy_path, run_dir, resume_from, cores)
     finally:
         cores.release()
         stop_roles(roles)

@@ -33,7 +33,7 @@ from threepo.algorithms.ivon import IVON
 from threepo.algorithms.param_noise import weights_checksum
 from threepo.algorithms.rouge import rouge_l_rewards
 from threepo.algorithms.sync_budget import sync_decision
-from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig
+from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig, has_drift_process
 from threepo.services.learner_deepspeed import DeepSpeedAdamW
 from threepo.services.learner_ranks import Ranks, SingleRank
 from threepo.services.batching import MALFORMED, TrainBatch, collate
@@ -75,10 +75,9 @@ class Learner:
         self.model = load_model(model_path).to(self.device).train()
         self.named = trainable_named_parameters(self.model)
         self.ref_model = load_model(model_path).to(self.device).eval() if algo.kl_coef else None
-        # IVON on one CPU rank: the drift forwards at slot weights run in a process beside the update
-        # (on a GPU its model copy would cost device memory for a forward that is small there)
-        self.beside = (BesideProcess(model_path, self.named, temperature) if beside and optim.name == "ivon"
-                       and self.ranks.world == 1 and deepspeed_stage < 0 and self.device.type == "cpu" else None)
+        # the drift forwards at slot weights in a process beside the update (learner_config.has_drift_process)
+        self.beside = (BesideProcess(model_path, self.named, temperature) if beside and has_drift_process(
+            optim.name, self.ranks.world, deepspeed_stage, self.device.type) else None)
         # AdamW's model side through DeepSpeed at ZeRO `deepspeed_stage` (services/learner_deepspeed.py)
         self.engine = (DeepSpeedAdamW(self.model, optim, deepspeed_stage, self.ranks.rank, self.ranks.world)
                        if deepspeed_stage >= 0 else None)
