@@ -146,6 +146,15 @@ def value_fingerprint(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
     return wrap(total), wrap(mixed)
 
 
+def combined_fingerprint(parts: Iterable[tuple[int, int]]) -> tuple[int, int]:
+    """`value_fingerprint` of the union of tensors from their fingerprints (both sums add mod 2^32)."""
+    total, mixed = 0, 0
+    for t, m in parts:
+        total, mixed = total + t, mixed + m
+    wrap = lambda v: (v + (1 << 31)) % (1 << 32) - (1 << 31)  # noqa: E731
+    return wrap(total), wrap(mixed)
+
+
 def served_noise_ratio(mean: torch.Tensor, theta: torch.Tensor, dtype: torch.dtype) -> tuple[float, float]:
     """How much of the perturbation survives serving in `dtype`: (‖cast(θ̂) − cast(m)‖², ‖θ̂ − m‖²),
     both in fp32, so that summing over tensors and taking sqrt(a / b) gives the served-noise ratio

@@ -52,6 +52,16 @@ def model_path(args: argparse.Namespace) -> str:
     return policy_path(load_config(None, args.overrides))
 
 
+def encoded_requests(tokenizer, prompts: list, n: int = 1, seed: int = 0, prompt=None) -> list:
+    """Engine requests for plain-text prompts, encoded as every role encodes them (services/prompting.py;
+    `prompt`: a PromptConfig, default the run config's default)."""
+    from threepo.services.evaluation import requests_for
+    from threepo.services.prompting import PromptConfig, PromptEncoder
+
+    encoder = PromptEncoder(tokenizer, prompt or PromptConfig())
+    return requests_for([encoder.encode(p) for p in prompts], n, seed=seed)
+
+
 def save_tiny(directory: str) -> str:
     """A randomly initialised tiny Qwen2 with the char tokenizer (as tests/conftest.py builds it)."""
     from threepo.services.modeling import ModelConfig, build_model

@@ -38,8 +38,11 @@ def engine_figures(backend: str, model: str, prompts: list[str], max_new_tokens:
     sigma = {n: np.full(a.shape, 0.01, np.float32) for n, a in mean.items()}
     checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
     engine.load_version(1, mean, sigma, checksum)
-    requests = [EngineRequest(engine.encode(p), 1, 1000 + i) for i, p in enumerate(prompts)]
-    params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens)
+    from threepo.services.prompting import PromptConfig, PromptEncoder
+
+    encoder = PromptEncoder.from_path(model, PromptConfig())
+    requests = [EngineRequest(encoder.encode(p), 1, 1000 + i) for i, p in enumerate(prompts)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, stop_token_ids=encoder.stop_ids)
     engine.generate(requests, params)  # warm-up
     rates, serves, loads = [], [], []
     for k in range(repeats):

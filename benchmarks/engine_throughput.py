@@ -25,13 +25,12 @@ MAX_NEW_TOKENS = 16
 def measure(engine, prompts: list, seconds: float, deadline: float | None = None) -> tuple[int, float]:
     """(generated tokens, elapsed seconds) of repeated generate calls over `prompts`; with `deadline`
     (a time.time() value) calls run until then instead of for `seconds`."""
-    from threepo.services.engines.hf import prompt_requests
     from threepo.services.messages import SamplingParams
 
     params = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, n=1)
     tokens, calls, start = 0, 0, time.perf_counter()
     while True:
-        out = engine.generate(prompt_requests(engine.tokenizer, prompts, 1, seed=calls), params)
+        out = engine.generate(_common.encoded_requests(engine.tokenizer, prompts, seed=calls), params)
         tokens += sum(len(s.token_ids) for per_prompt in out for s in per_prompt)
         calls += 1
         now = time.perf_counter()
@@ -42,14 +41,13 @@ def measure(engine, prompts: list, seconds: float, deadline: float | None = None
 def slot_step(engine, prompts: list, slots: int, seconds: float, together: bool) -> tuple[int, float]:
     """(generated tokens, elapsed seconds) of repeated C3PO steps: `slots` seeded slots of the held
     version, each sampling `prompts` once, one slot at a time or all in one `generate_slots` call."""
-    from threepo.services.engines.hf import prompt_requests
     from threepo.services.messages import NoiseSpec, SamplingParams
 
     params = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, n=1)
     tokens, calls, start = 0, 0, time.perf_counter()
     while True:
-        groups = [(NoiseSpec(engine.version, seed=100 + s), prompt_requests(engine.tokenizer, prompts, 1, seed=calls))
-                  for s in range(slots)]
+        groups = [(NoiseSpec(engine.version, seed=100 + s),
+                   _common.encoded_requests(engine.tokenizer, prompts, seed=calls)) for s in range(slots)]
         if together:
             out = [samples for _, _, samples in engine.generate_slots(groups, params)]
         else:

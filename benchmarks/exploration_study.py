@@ -74,13 +74,13 @@ def expert_diversity(path: str, cfg) -> float:
     """1 − L_orth of the checkpoint at `path` over held-out prompts (see the module docstring)."""
     import torch
 
-    from threepo.deploy.cli import eval_items
+    from threepo.services.datasets import eval_items
     from threepo.services.modeling import load_model, load_tokenizer
     from threepo.services.vp2o_hooks import VP2OConfig, VP2OHooks
 
     model, tokenizer = load_model(path).eval(), load_tokenizer(path)
     hooks = VP2OHooks(model, VP2OConfig())
-    encoded = [tokenizer(it.prompt + it.answer, add_special_tokens=False)["input_ids"] for it in eval_items(cfg)[:128]]
+    encoded = [tokenizer(it.prompt + it.answer, add_special_tokens=False)["input_ids"] for it in eval_items(cfg.data, cfg.task, cfg.eval)[:128]]
     ids = torch.zeros(len(encoded), max(map(len, encoded)), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, e in enumerate(encoded):

@@ -27,6 +27,7 @@ from threepo.deploy.cores import CorePlacement
 from threepo.services.engines.base import SamplerConfig
 from threepo.services.learner import Learner
 from threepo.services.posterior import PosteriorConfig, PosteriorServer
+from threepo.services.prompting import PromptConfig
 from threepo.services.verifier_pool import VerifierConfig, VerifierPool, auth_token
 
 ACTOR_ENV = {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -35,13 +36,15 @@ ACTOR_ENV = {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PAR
 class SamplerActor:
     """One engine behind the Sampler service; `incarnation` changes when Ray restarts the actor."""
 
-    def __init__(self, model_path: str, cfg: SamplerConfig, engine_id: int, dtype: str) -> None:
+    def __init__(self, model_path: str, cfg: SamplerConfig, engine_id: int, dtype: str, prompt: PromptConfig) -> None:
         from threepo.deploy.metrics import RayMetrics
+        from threepo.services.prompting import PromptEncoder
         from threepo.services.sampler import Sampler
 
         self.incarnation = uuid.uuid4().hex[:8]
         self.sampler = Sampler(make_engine(model_path, cfg, engine_id, dtype), engine_id, cfg,
-                               metrics=RayMetrics(), incarnation=self.incarnation)
+                               PromptEncoder.from_path(model_path, prompt), metrics=RayMetrics(),
+                               incarnation=self.incarnation)
 
     @ray.method(num_returns=2)
     def generate(self, requests: list, weights: list) -> tuple:
@@ -59,6 +62,38 @@ class SamplerActor:
 
     def stats(self) -> dict:
         return {**self.sampler.stats(), "incarnation": self.incarnation, "pid": os.getpid()}
+
+    def peak_memory(self) -> int:
+        return peak_rss()
+
+
+def peak_rss() -> int:
+    """Peak resident memory of this process (bytes): what a role took at its most (its shared pages
+    of Ray's object store included where it read them; a learner's drift process is its own)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def role_memory(roles: Roles) -> dict[str, float]:
+    """Peak resident MiB of every live role's process and of the driver's (a role that does not
+    answer within 30 s is left out)."""
+    from threepo.deploy.learner_group import LearnerGroup
+
+    learner = roles.learner
+    ranks = {f"learner-{i}": r for i, r in enumerate(learner.ranks)} if isinstance(learner, LearnerGroup) else {
+        "learner": learner}
+    handles = {"posterior": roles.posterior, **ranks, "evaluator": roles.evaluator,
+               **{f"sampler-{i}": h for i, h in enumerate(roles.samplers)},
+               **{f"verifier-{i}": h for i, h in enumerate(roles.verifiers)}}
+    refs = {role: h.peak_memory.remote() for role, h in handles.items() if h is not None}
+    out = {"driver": peak_rss() / 2**20}
+    for role, ref in refs.items():
+        try:
+            out[role] = ray.get(ref, timeout=30) / 2**20
+        except (ray.exceptions.RayError, TimeoutError):
+            continue
+    return {role: round(mb, 1) for role, mb in out.items()}
 
 
 def make_engine(model_path: str, cfg: SamplerConfig, engine_id: int, dtype: str):
@@ -115,6 +150,9 @@ class PosteriorActor:
     def bytes_of(self, version: int) -> int:
         return self.server.bytes_of(version)
 
+    def peak_memory(self) -> int:
+        return peak_rss()
+
     def save_checkpoint(self, directory: str) -> str:
         from threepo.services.posterior import save_posterior
 
@@ -160,6 +198,9 @@ class VerifierActor:
     def stats(self) -> dict:
         return self.pool.stats()
 
+    def peak_memory(self) -> int:
+        return peak_rss()
+
 
 class LearnerActor:
     """The learner service, restored from `checkpoint` when given, plus its metrics, the rollout log
@@ -187,6 +228,9 @@ class LearnerActor:
 
     def process_id(self) -> int:
         return os.getpid()
+
+    def peak_memory(self) -> int:
+        return peak_rss()
 
     @ray.method(num_returns=2)
     def step(self, groups: list, n_batches: int, *arrays):
@@ -230,28 +274,27 @@ class LearnerActor:
 
 
 class EvaluatorActor:
-    """Held-out pass@1 of a published mean, off the learner's critical path: its own hf engine
-    serving the mean it is given, one sample per item at the sampling temperature."""
+    """Held-out pass@1 of a published mean, off the learner's critical path: the evaluation service
+    (services/evaluation.py) serving the mean it is given, one sample per item at the sampling
+    temperature, its verifiers routed as in training."""
 
     def __init__(self, model_path: str, cfg: SamplerConfig, items: list, verifier: VerifierConfig,
-                 token: str = "") -> None:
-        from threepo.services.engines.hf import HFEngine
+                 prompt: PromptConfig, token: str = "") -> None:
+        from threepo.services.evaluation import Evaluator
         from threepo.services.verifier_pool import load_verifiers
 
-        self.engine = HFEngine(model_path, cfg)
-        self.items, self.cfg = items, cfg
-        self.verifiers = load_verifiers(verifier, [it.verifier for it in items], token)  # routed as in training
+        self.evaluator = Evaluator(model_path, items, load_verifiers(verifier, [it.verifier for it in items], token),
+                                   prompt, cfg)
+        self.cfg = cfg
 
     def evaluate(self, pv) -> tuple[float, int]:
-        from threepo.services.engines.hf import generate_text
-        from threepo.services.evaluation import evaluate
+        self.evaluator.load(pv.mean, pv.mean_checksum)
+        report = self.evaluator.evaluate(samples_per_item=1, k=1, temperature=self.cfg.temperature,
+                                         max_new_tokens=self.cfg.max_new_tokens)
+        return report.pass_at_1, report.num_items
 
-        self.engine.load_version(self.engine.version + 1, pv.mean, None, pv.mean_checksum)
-        report = evaluate(lambda p, params: generate_text(self.engine.model, self.engine.tokenizer, p, params,
-                                                          batch_size=self.cfg.batch_size),
-                          self.items, self.verifiers, samples_per_item=1, k=1, temperature=self.cfg.temperature,
-                          max_new_tokens=self.cfg.max_new_tokens, batch_size=self.cfg.batch_size)
-        return report.pass_at_1, len(self.items)
+    def peak_memory(self) -> int:
+        return peak_rss()
 
 
 def record_learner_metrics(handles: dict, result, groups: list, algorithm: str) -> None:
@@ -311,13 +354,14 @@ def start_roles(cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str 
         for i in range(rt.num_verifiers)
     ]
     evaluator = None
-    if rt.eval_every:
-        from threepo.deploy.cli import eval_items
+    if rt.eval_every and rt.eval_every <= rt.steps:  # only a run that evaluates while training has one
+        from threepo.services.datasets import eval_items
 
+        items = eval_items(cfg.data, cfg.task, cfg.eval)
         evaluator = ray.remote(EvaluatorActor).options(num_cpus=rt.eval_cpus, runtime_env=env,
                                                        name=f"{run_id}-evaluator").remote(
-            policy_path, dataclasses.replace(sampler_cfg, backend="hf", batch_size=cfg.eval.batch_size), eval_items(cfg),
-            cfg.verifier, auth_token(cfg.verifier.auth_env))
+            policy_path, dataclasses.replace(sampler_cfg, backend="hf", batch_size=cfg.eval.batch_size), items,
+            cfg.verifier, cfg.prompt, auth_token(cfg.verifier.auth_env))
     roles = Roles(None, samplers, verifiers, None, evaluator, policy_path=policy_path, run_dir=run_dir)
     start_stateful(roles, cfg, policy_path, run_dir, checkpoint, cores)
     return roles
@@ -335,7 +379,8 @@ def start_sampler(cfg: RunConfig, policy_path: str, run_dir: str, index: int):
                    name=f"{os.path.basename(os.path.abspath(run_dir))}-sampler-{index}")
     if elastic:
         options["resources"] = {rt.sampler_resource: 1}
-    return ray.remote(SamplerActor).options(**options).remote(policy_path, cfg.sampler, index, cfg.model.dtype)
+    return ray.remote(SamplerActor).options(**options).remote(policy_path, cfg.sampler, index, cfg.model.dtype,
+                                                              cfg.prompt)
 
 
 def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str | None,

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="threepo",
         description="Asynchronous RL with verifiable rewards, exploring in parameter space.",
-        epilog="Overrides look like sampler.temperature=0.7 or train.algorithm=grpo; "
+        epilog="Overrides look like sampler.temperature=0.7 or algo.exploration=grpo; "
                "see README.md (Configuration) for every knob.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -85,12 +85,13 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def check_inputs(cfg) -> None:
-    """Check every path the config names (model, datasets) and the verifier settings that depend
-    on this machine before anything starts; raises `UserInputError` naming the key, file and line."""
-    from threepo.services.datasets import load_dataset
+    """Check every path the config names (model, datasets), that its prompts can be built, and the
+    verifier settings that depend on this machine before anything starts; raises `UserInputError`
+    naming the key, file and line."""
+    from threepo.services.datasets import run_items
     from threepo.services.errors import UserInputError
-    from threepo.services.modeling import check_checkpoint_dir
-    from threepo.services.tasks import generate_items
+    from threepo.services.modeling import resolve_model
+    from threepo.services.prompting import PromptEncoder
     from threepo.services.verifier_pool import auth_token
     from threepo.services.verifiers.base import available_verifiers
 
@@ -99,17 +100,10 @@ def check_inputs(cfg) -> None:
     if unknown:
         raise UserInputError(f"verifier.route: unknown verifier {unknown[0]!r}; expected one of {available_verifiers()}")
     if cfg.model.path:
-        check_checkpoint_dir(cfg.model.path)
-    if cfg.data.heldout_path and not cfg.data.path:
-        raise UserInputError("data.heldout_path is set but data.path is not; expected both, or only data.path")
-    rows = [] if cfg.data.path else generate_items(cfg.task.family, "train", 1, seed=cfg.task.seed,
-                                                   difficulty=cfg.task.difficulty)
-    for key, path in (("data.path", cfg.data.path), ("data.heldout_path", cfg.data.heldout_path)):
-        if path:
-            try:
-                rows += load_dataset(path)
-            except UserInputError as err:
-                raise type(err)(f"{key}: {err}") from None
+        PromptEncoder.from_path(resolve_model(cfg.model.path), cfg.prompt).check()
+    rows = run_items(cfg.data, cfg.task, "train", 1 if not cfg.data.path else 10 ** 9)
+    if cfg.data.path:
+        rows += run_items(cfg.data, cfg.task, "heldout", 10 ** 9)
     local = {dict(cfg.verifier.route).get(r.verifier, r.verifier) for r in rows} & {"code_output", "code_tests"}
     if local and shutil.which("bwrap") is None:
         raise UserInputError(f"rows verified by {sorted(local)} run programs in the local sandbox, which needs "
@@ -152,9 +146,12 @@ def make_run_dir(cfg, command: str) -> str:
 
 
 def policy_path(cfg) -> str:
-    """The checkpoint to serve: `model.path`, or the (cached) bootstrapped embedded default."""
+    """The checkpoint to serve: `model.path` (a hub id resolved to its local snapshot), or the
+    (cached) bootstrapped embedded default."""
     if cfg.model.path:
-        return cfg.model.path
+        from threepo.services.modeling import resolve_model
+
+        return resolve_model(cfg.model.path)
     from threepo.services.bootstrap import BootstrapFailed, ensure_bootstrapped
 
     result = ensure_bootstrapped(cfg.model, cfg.task, cfg.bootstrap)
@@ -183,6 +180,10 @@ def cmd_bootstrap(cfg, run_dir: str) -> int:
 def cmd_eval(cfg, run_dir: str, path: str) -> int:
     import json
 
+    from threepo.services.datasets import split_note
+
+    if cfg.data.path:
+        print(f"eval: {split_note(cfg.data)}")
     report = evaluate_policy(cfg, path, label="eval")
     print(f"eval: {report.summary()}")
     with open(os.path.join(run_dir, "eval.json"), "w") as f:
@@ -194,39 +195,22 @@ def evaluate_policy(cfg, path: str, *, label: str):
     """Evaluate the checkpoint at `path` on the configured items, with a progress bar."""
     from tqdm import tqdm
 
+    from threepo.services.datasets import eval_items
     from threepo.services.engines.base import SamplerConfig
-    from threepo.services.engines.hf import HFEngine, generate_text
-    from threepo.services.evaluation import evaluate
+    from threepo.services.evaluation import Evaluator
     from threepo.services.verifier_pool import load_verifiers
 
-    items = eval_items(cfg)
-    engine = HFEngine(path, SamplerConfig(threads=cfg.bootstrap.threads, batch_size=cfg.eval.batch_size,
-                                          seed=cfg.seed), dtype=cfg.model.dtype)
-    verifiers = load_verifiers(cfg.verifier, [it.verifier for it in items])
-
-    def policy(prompts, params):
-        return generate_text(engine.model, engine.tokenizer, prompts, params, batch_size=cfg.eval.batch_size,
-                             seed=cfg.seed)
-
-    with tqdm(total=len(items), desc=label, unit="item") as bar:
-        report = evaluate(policy, items, verifiers, samples_per_item=cfg.eval.samples_per_item,
-                          k=cfg.eval.k, temperature=cfg.eval.temperature,
-                          max_new_tokens=cfg.sampler.max_new_tokens, batch_size=cfg.eval.batch_size,
-                          progress=bar.update)
-    for verifier in verifiers.values():
-        verifier.close()
-    return report
-
-
-def eval_items(cfg):
-    """Evaluation items: the dataset (held-out file if given) or the task's configured split."""
-    from threepo.services.datasets import load_dataset
-    from threepo.services.tasks import generate_items
-
-    if cfg.data.path:
-        return load_dataset(cfg.data.heldout_path or cfg.data.path)[: cfg.eval.num_items]
-    return generate_items(cfg.task.family, cfg.eval.split, cfg.eval.num_items, seed=cfg.task.seed,
-                          difficulty=cfg.task.difficulty)
+    items = eval_items(cfg.data, cfg.task, cfg.eval)
+    evaluator = Evaluator(path, items, load_verifiers(cfg.verifier, [it.verifier for it in items]), cfg.prompt,
+                          SamplerConfig(threads=cfg.bootstrap.threads, batch_size=cfg.eval.batch_size, seed=cfg.seed),
+                          dtype=cfg.model.dtype, seed=cfg.seed)
+    try:
+        with tqdm(total=len(items), desc=label, unit="item") as bar:
+            return evaluator.evaluate(samples_per_item=cfg.eval.samples_per_item, k=cfg.eval.k,
+                                      temperature=cfg.eval.temperature, max_new_tokens=cfg.sampler.max_new_tokens,
+                                      progress=bar.update)
+    finally:
+        evaluator.close()
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Each component declares its own `XConfig` (with a docstring per field) next to its code; this file
 only composes them. A run's config is built from the defaults, then a recipe file (TOML, tables
-named like the sections: `[sampler]`, `[train]`, ...; `deploy/configs/*.toml` ship with the package),
+named like the sections: `[sampler]`, `[algo]`, ...; `deploy/configs/*.toml` ship with the package),
 then command-line overrides `section.field=value`. Values are parsed as TOML (`3`, `0.5`, `true`,
 `"text"`, `[1, 2]`; a bare word is a string). An unknown key or a value of the wrong type is rejected
 with a message naming the key and what was expected; range checks live in each config's
@@ -21,26 +21,17 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from threepo.services.bootstrap import BootstrapConfig
+from threepo.services.datasets import MAX_NEW_TOKENS, DataConfig
 from threepo.services.engines.base import SamplerConfig
 from threepo.services.errors import UserInputError
 from threepo.services.evaluation import EvalConfig
 from threepo.services.learner_config import AlgoConfig, LearnerConfig, OptimConfig, SyncConfig, VP2OConfig
 from threepo.services.modeling import ModelConfig
+from threepo.services.prompting import PromptConfig
 from threepo.services.tasks import TaskConfig, max_new_tokens_for
 from threepo.services.verifier_pool import VerifierConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Where prompts come from: the synthetic task (`[task]`) or a dataset file."""
-
-    path: str = ""
-    """A JSONL or Parquet file with `prompt`, `answer` (and optional `solution`, `tests`, `verifier`);
-    '' uses the synthetic task of `[task]`."""
-    heldout_path: str = ""
-    """Optional held-out file for evaluation when `path` is set ('' = evaluate on `path`)."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +142,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -167,8 +159,9 @@ class RunConfig:
 
         check_combination(self.algo, self.optim, self.model.kind)
         check_learner(self.learner, self.algo, self.optim)
-        if not self.sampler.max_new_tokens:  # 0: the generation limit follows the task tier
-            limit = max_new_tokens_for(self.task.family, self.task.difficulty)
+        if not self.sampler.max_new_tokens:  # 0: the generation limit follows the task tier or the data format
+            limit = (MAX_NEW_TOKENS[self.data.format] if self.data.path
+                     else max_new_tokens_for(self.task.family, self.task.difficulty))
             object.__setattr__(self, "sampler", dataclasses.replace(self.sampler, max_new_tokens=limit))
 
 

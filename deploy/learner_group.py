@@ -106,6 +106,9 @@ class LearnerRankActor:
     def state_bytes(self) -> int:
         return self.actor.learner.optimizer_state_bytes()
 
+    def peak_memory(self) -> int:
+        return self.actor.peak_memory()
+
 
 class _Fanout:
     """`.remote(...)` of one method on every rank, in rank order; returns rank 0's reference."""

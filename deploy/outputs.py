@@ -17,6 +17,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from threepo.services.evaluation import TRUNCATION_WARNING
+
 
 @dataclass
 class Window:
@@ -68,9 +70,17 @@ class RunLog:
         self.bar = tqdm(total=total, initial=initial, desc=label, unit="step")
         self.metrics = register_catalogue(RayMetrics())
         self.started = time.monotonic()
+        self._truncated, self._rollouts, self._warned = 0.0, 0, False
 
     def step(self, row: dict) -> None:
         self._write(row)
+        self._truncated += row.get("truncated_rate", 0.0) * row.get("rollouts", 0)
+        self._rollouts += row.get("rollouts", 0)
+        if not self._warned and self._rollouts and self._truncated / self._rollouts > TRUNCATION_WARNING:
+            self._warned = True  # once a run: the share so far, over every step yet
+            self.bar.write(f"threepo: warning: {self._truncated / self._rollouts:.0%} of completions so far ended at "
+                           f"the length limit (over {TRUNCATION_WARNING:.0%}; they score malformed): raise "
+                           "sampler.max_new_tokens")
         self.bar.set_postfix_str(f"reward {row.get('reward_mean', float('nan')):.2f} v{row.get('version')} "
                                  f"stale {row.get('staleness_max', 0):.0f}")
         self.bar.update(1)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import ray
 
 from threepo.deploy import checkpoints
-from threepo.deploy.actors import Roles, init_ray, start_roles, start_stateful, stop_roles
+from threepo.deploy.actors import Roles, init_ray, role_memory, start_roles, start_stateful, stop_roles
 from threepo.deploy.bookkeeping import Ledger, PersistentFailure, PromptStream, Readmission
 from threepo.deploy.config import RunConfig
 from threepo.deploy.cores import CorePlacement
@@ -410,9 +410,11 @@ def write_summary(s: Loop, run_dir: str, **extra) -> dict:
     from threepo.deploy.report import make_report
 
     s.log.close()
+    memory = role_memory(s.roles)
     summary = {**extra, "steps": s.ledger.step, "version": s.ledger.version, **asdict(s.ledger.counts),
                "consumed_prompts": len(s.ledger.consumed),
-               "wall_s": round(s.log.elapsed(), 2),
+               "wall_s": round(s.log.elapsed(), 2), "peak_memory_mb": memory,
+               "peak_memory_total_mb": round(sum(memory.values()), 1),
                "report": [str(p) for p in make_report(run_dir)] if s.ledger.step else []}
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -420,12 +422,9 @@ def write_summary(s: Loop, run_dir: str, **extra) -> dict:
 
 
 def train_items(cfg: RunConfig) -> list:
-    from threepo.services.datasets import load_dataset
-    from threepo.services.tasks import generate_items
+    from threepo.services.datasets import run_items
 
-    if cfg.data.path:
-        return load_dataset(cfg.data.path)
-    return generate_items(cfg.task.family, "train", 4096, seed=cfg.task.seed, difficulty=cfg.task.difficulty)
+    return run_items(cfg.data, cfg.task, "train", 10 ** 9 if cfg.data.path else 4096)  # a file: all of its train split
 
 
 def main_train(args, cfg: RunConfig, resume_dir: str | None) -> int:
@@ -450,7 +449,11 @@ def main_train(args, cfg: RunConfig, resume_dir: str | None) -> int:
 def _train_and_report(cfg: RunConfig, run_dir: str, path: str, resume_from: str | None) -> int:
     from threepo.deploy.cli import evaluate_policy
 
+    from threepo.services.datasets import split_note
+
     print(f"train: run directory {run_dir}")
+    if cfg.data.path:
+        print(f"train: {split_note(cfg.data)}")
     around = cfg.eval.around_training
     try:
         before = evaluate_policy(cfg, path, label="held-out before") if around else None
@@ -465,4 +468,6 @@ def _train_and_report(cfg: RunConfig, run_dir: str, path: str, resume_from: str 
             json.dump({"before": before.__dict__, "after": after.__dict__}, f, indent=2)
     print(f"train: rollouts admitted {summary['admitted_rollouts']}, consumed {summary['consumed_rollouts']} "
           f"(re-issued requests {summary['reissued_requests']}); report: {', '.join(summary['report'])}")
+    print("train: peak memory (MiB) " + ", ".join(f"{role} {mb:,.0f}" for role, mb in summary["peak_memory_mb"].items())
+          + f"; {summary['peak_memory_total_mb']:,.0f} in all (shared pages counted in each process that read them)")
     return 0

@@ -86,6 +86,7 @@ class TrainBatch:
     slot_seeds: list           # [B] seed of the slot that sampled each rollout
     slot_scales: list          # [B] σ multiplier c of that slot (θ̂ = m + c · σ ⊙ z(seed))
     statuses: np.ndarray       # [B] uint8 status codes
+    truncated: np.ndarray      # [B] bool: the completion ended at the length limit, not at a stop token
     texts: list                # [B] decoded completions (LamPO's ROUGE-L)
     solutions: list            # [B/G] reference solutions of the groups' items
     published_steps: np.ndarray  # [B/G] learner step that published each group's policy version
@@ -137,7 +138,7 @@ def collate(groups: Sequence[GroupRows], batches: Sequence[CompletionBatch], sco
         rewards=torch.tensor([float(scores[b].rewards[r]) for b, r in rows], dtype=torch.float64).view(-1, g),
         slots=torch.tensor([req.slot for *_, req in pieces]).view(-1, g),
         slot_seeds=[req.slot_seed for *_, req in pieces], slot_scales=[req.slot_scale for *_, req in pieces],
-        statuses=statuses,
+        statuses=statuses, truncated=np.array([not batches[b].finish_stop[r] for b, r in rows], dtype=bool),
         texts=[batches[b].texts[r] for b, r in rows], solutions=[grp.item.solution for grp in groups],
         published_steps=np.array([grp.published_step for grp in groups], dtype=np.int64))
 

@@ -212,9 +212,9 @@ def _sft_batch(tokenizer, task_cfg: TaskConfig, seed: int, batch_size: int):
     from threepo.services.tasks import expected_completion, generate_items
 
     items = generate_items(task_cfg.family, "train", batch_size, seed=seed, difficulty=task_cfg.difficulty)
-    rows = []
+    prompts, rows = _prompts(tokenizer), []
     for item in items:
-        prompt = tokenizer(item.prompt, add_special_tokens=False)["input_ids"]
+        prompt = list(prompts.encode(item.prompt, item.verifier))
         target = tokenizer(expected_completion(item), add_special_tokens=False)["input_ids"]
         rows.append((prompt, target + [tokenizer.eos_token_id]))
     width = max(len(p) + len(t) for p, t in rows)
@@ -237,4 +237,11 @@ def heldout_pass1(model, tokenizer, task_cfg: TaskConfig, num_items: int) -> flo
     items = generate_items(task_cfg.family, "heldout", num_items, seed=task_cfg.seed,
                            difficulty=task_cfg.difficulty)
     limit = max_new_tokens_for(task_cfg.family, task_cfg.difficulty)  # the limit training samples with
-    return model_pass_at_1(model, tokenizer, items, temperature=1.0, max_new_tokens=limit)
+    return model_pass_at_1(model, _prompts(tokenizer), items, temperature=1.0, max_new_tokens=limit)
+
+
+def _prompts(tokenizer):
+    """The embedded model reads raw text (its character tokenizer has no chat template)."""
+    from threepo.services.prompting import PromptConfig, PromptEncoder
+
+    return PromptEncoder(tokenizer, PromptConfig(template="none"))

@@ -1,8 +1,12 @@
-"""pass@1, pass@k and the malformed rate of a policy on a list of items (`threepo eval`, bootstrap).
+"""pass@1, pass@k, the malformed and truncated rates of a policy on a list of items (`threepo eval`, the
+evaluations around and during `threepo train`, the bootstrap).
 
-The policy is anything that maps prompts to samples (`GenerateFn`): `engines.hf.generate_text` bound
-to a model (an engine's, or one being trained). Verification goes through the same verifiers
-the runtime uses, so an evaluation scores exactly like training does.
+`evaluate` asks a policy — anything that samples engine requests (`GenerateFn`) — for completions of
+the items' prompts, encoded by the model's `PromptEncoder` (services/prompting.py, as in training),
+and scores them with the same verifiers the runtime uses, so an evaluation scores exactly like
+training does. Temperature 0 is greedy. `Evaluator` is the one evaluation service: an hf engine
+serving a checkpoint or a published mean, with its encoder and verifiers (the CLI, the evaluator
+actor); `model_pass_at_1` evaluates a live model in training (the bootstrap).
 """
 
 from __future__ import annotations
@@ -11,13 +15,18 @@ import asyncio
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from threepo.algorithms.pass_at_k import pass_at_k
-from threepo.services.engines.base import GeneratedSample
+from threepo.services.engines.base import EngineRequest, GeneratedSample
 from threepo.services.messages import SamplingParams, TaskItem, VerifyRequest, VerifyStatus
 from threepo.services.verifiers.base import Verifier, load_verifier
 
-GenerateFn = Callable[[Sequence[str], SamplingParams], list[list[GeneratedSample]]]
+if TYPE_CHECKING:
+    from threepo.services.prompting import PromptEncoder
+
+GenerateFn = Callable[[Sequence[EngineRequest], SamplingParams], list[list[GeneratedSample]]]
+TRUNCATION_WARNING = 0.05  # a share of completions cut at the length limit worth a warning
 
 
 @dataclass(frozen=True)
@@ -33,7 +42,7 @@ class EvalConfig:
     k: int = 4
     """The k of pass@k (≤ samples_per_item)."""
     temperature: float = 1.0
-    """Sampling temperature of the evaluation."""
+    """Sampling temperature of the evaluation; 0 = greedy decoding."""
     batch_size: int = 256
     """Sequences decoded together."""
     around_training: bool = True
@@ -47,6 +56,8 @@ class EvalConfig:
             raise ValueError(f"eval.k={self.k}: expected 1 <= k <= eval.samples_per_item={self.samples_per_item}")
         if self.num_items < 1:
             raise ValueError(f"eval.num_items: expected >= 1, got {self.num_items}")
+        if not self.temperature >= 0:
+            raise ValueError(f"eval.temperature: expected >= 0 (0 = greedy), got {self.temperature}")
 
 
 @dataclass(frozen=True)
@@ -58,21 +69,42 @@ class EvalReport:
     pass_at_k: float
     malformed_rate: float
     status_counts: Mapping[str, int] = field(default_factory=dict)
+    truncated_rate: float = 0.0  # share of completions cut at the length limit
+    temperature: float = 1.0
 
     def summary(self) -> str:
+        how = "greedy" if self.temperature == 0 else f"T {self.temperature:g}"
+        cut = (f"  truncated {self.truncated_rate:.3f} (over {TRUNCATION_WARNING:.0%}: raise sampler.max_new_tokens)"
+               if self.truncated_rate > TRUNCATION_WARNING else "")
         return (f"pass@1 {self.pass_at_1:.3f}  pass@{self.k} {self.pass_at_k:.3f}  "
-                f"malformed {self.malformed_rate:.3f}  ({self.num_items} items x {self.samples_per_item} samples)")
+                f"malformed {self.malformed_rate:.3f}  ({self.num_items} items x {self.samples_per_item} samples, "
+                f"{how}){cut}")
 
 
-def evaluate(generate: GenerateFn, items: Sequence[TaskItem], verifiers: Mapping[str, Verifier], *,
-             samples_per_item: int, k: int, temperature: float, max_new_tokens: int,
-             batch_size: int = 256, progress: Callable[[int], None] | None = None) -> EvalReport:
+def requests_for(prompt_ids: Sequence[Sequence[int]], n: int, seed: int = 0) -> list[EngineRequest]:
+    """Engine requests for encoded prompts: prompt i of the call draws from its own stream, hashed
+    from (seed, i, its ids), whatever else is evaluated with it."""
+    from threepo.algorithms.param_noise import tensor_seed  # torch: only once a policy is evaluated
+
+    return [EngineRequest(tuple(ids), n, tensor_seed(seed, f"{i}/{list(ids)}")) for i, ids in enumerate(prompt_ids)]
+
+
+def evaluate(generate: GenerateFn, items: Sequence[TaskItem], verifiers: Mapping[str, Verifier],
+             prompts: PromptEncoder, *, samples_per_item: int, k: int, temperature: float, max_new_tokens: int,
+             batch_size: int = 256, seed: int = 0, progress: Callable[[int], None] | None = None) -> EvalReport:
     """Sample `samples_per_item` completions per item, verify them, and estimate pass@1 / pass@k."""
-    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, n=samples_per_item)
-    correct, statuses = [], Counter()
-    for start in range(0, len(items), max(1, batch_size // samples_per_item)):
-        chunk = items[start:start + max(1, batch_size // samples_per_item)]
-        samples = generate([it.prompt for it in chunk], params)
+    from threepo.algorithms.param_noise import tensor_seed
+
+    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, n=samples_per_item,
+                            stop_token_ids=prompts.stop_ids)
+    correct, statuses, cut = [], Counter(), 0
+    per_call = max(1, batch_size // samples_per_item)
+    for start in range(0, len(items), per_call):
+        chunk = items[start:start + per_call]
+        # item i of a chunk draws from a stream hashed from (seed, i, its prompt)
+        samples = generate([EngineRequest(prompts.encode(it.prompt, it.verifier), samples_per_item,
+                                          tensor_seed(seed, f"{i}/{it.prompt}")) for i, it in enumerate(chunk)], params)
+        cut += sum(s.finish_reason == "length" for group in samples for s in group)
         results = verify_all(verifiers, [VerifyRequest(item=it, completion=s.text, finish_reason=s.finish_reason)
                                          for it, group in zip(chunk, samples) for s in group])
         for i in range(len(chunk)):
@@ -90,7 +122,7 @@ def evaluate(generate: GenerateFn, items: Sequence[TaskItem], verifiers: Mapping
         pass_at_1=float(pass_at_k(n, correct, 1).mean()),
         pass_at_k=float(pass_at_k(n, correct, k).mean()),
         malformed_rate=statuses.get(VerifyStatus.MALFORMED.value, 0) / total,
-        status_counts=dict(statuses),
+        status_counts=dict(statuses), truncated_rate=cut / total, temperature=temperature,
     )
 
 
@@ -99,23 +131,56 @@ def verifiers_for(items: Sequence[TaskItem]) -> dict[str, Verifier]:
     return {name: load_verifier(name) for name in sorted({it.verifier for it in items})}
 
 
-def model_pass_at_1(model, tokenizer, items: Sequence[TaskItem], *, temperature: float,
+def model_pass_at_1(model, prompts: PromptEncoder, items: Sequence[TaskItem], *, temperature: float,
                     max_new_tokens: int) -> float:
-    """pass@1 of a live model (one sample per item), e.g. the learner's copy or one being trained;
-    the model is put in eval mode for the call and its previous mode restored."""
-    from threepo.services.engines.hf import generate_text
+    """pass@1 of a live model (one sample per item), e.g. one being trained; the model is put in
+    eval mode for the call and its previous mode restored."""
+    from threepo.services.engines.decoding import generate, own_decoder
 
     verifiers, was_training = verifiers_for(items), model.training
     model.eval()
     try:
-        report = evaluate(lambda p, params: generate_text(model, tokenizer, p, params, batch_size=256), items,
-                          verifiers, samples_per_item=1, k=1, temperature=temperature,
+        lean = own_decoder(model)
+        report = evaluate(lambda requests, params: generate(model, prompts.tokenizer, requests, params,
+                                                            batch_size=256, lean=lean),
+                          items, verifiers, prompts, samples_per_item=1, k=1, temperature=temperature,
                           max_new_tokens=max_new_tokens)
     finally:
         model.train(was_training)
         for verifier in verifiers.values():
             verifier.close()
     return report.pass_at_1
+
+
+class Evaluator:
+    """The evaluation service: an hf engine serving the checkpoint at `model_path` (or a mean given
+    to `load`), its prompt encoder and the items' verifiers (built by the caller, routed as in
+    training). `cfg`: the engine's sampler settings (threads, batch size, served dtype)."""
+
+    def __init__(self, model_path: str, items: Sequence[TaskItem], verifiers: Mapping[str, Verifier], prompts,
+                 cfg, *, dtype: str = "float32", seed: int = 0) -> None:
+        from threepo.services.engines.hf import HFEngine
+        from threepo.services.prompting import PromptEncoder
+
+        self.engine = HFEngine(model_path, cfg, dtype=dtype)
+        self.prompts = PromptEncoder.from_path(model_path, prompts)
+        self.items, self.verifiers, self.cfg, self.seed = list(items), verifiers, cfg, seed
+
+    def load(self, mean: Mapping, mean_checksum: str) -> None:
+        """Serve a published mean (the evaluations during training)."""
+        self.engine.load_version(self.engine.version + 1, mean, None, mean_checksum)
+
+    def evaluate(self, *, samples_per_item: int, k: int, temperature: float, max_new_tokens: int,
+                 progress: Callable[[int], None] | None = None) -> EvalReport:
+        return evaluate(self.engine.generate, self.items, self.verifiers, self.prompts,
+                        samples_per_item=samples_per_item, k=k, temperature=temperature,
+                        max_new_tokens=max_new_tokens, batch_size=self.cfg.batch_size, seed=self.seed,
+                        progress=progress)
+
+    def close(self) -> None:
+        for verifier in self.verifiers.values():
+            verifier.close()
+        self.engine.close()
 
 
 def verify_all(verifiers: Mapping[str, Verifier], requests: Sequence[VerifyRequest]):

@@ -31,16 +31,17 @@ from threepo.algorithms import losses, off_policy
 from threepo.algorithms.exploration import gradient_points
 from threepo.algorithms.ivon import IVON
 from threepo.algorithms.param_noise import weights_checksum
-from threepo.algorithms.rouge import rouge_l_rewards
 from threepo.algorithms.sync_budget import sync_decision
 from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig, has_drift_process
 from threepo.services.learner_deepspeed import DeepSpeedAdamW
 from threepo.services.learner_ranks import Ranks, SingleRank
-from threepo.services.batching import MALFORMED, TrainBatch, collate
+from threepo.services.batching import TrainBatch, collate
 from threepo.services.messages import CompletionBatch, GroupRows, PublishedVersion, ScoreBatch
 from threepo.services.modeling import load_model, trainable_named_parameters
 from threepo.services.beside import BesideProcess, Pending
-from threepo.services.prefix_forward import prompt_runs, row_logits, row_logprobs
+from threepo.services.learner_advantages import group_metrics, step_advantages, step_rewards
+from threepo.services.learner_memory import bytes_per_position, combine_micro, head_chunk, micro_batches
+from threepo.services.prefix_forward import plain_head, prompt_runs, row_logprobs, row_token_stats
 from threepo.services.proximal import StartLogprobs, drift_metrics, drift_sample
 from threepo.services.vp2o_hooks import VP2OConfig, VP2OHooks
 
@@ -65,7 +66,8 @@ class Learner:
     def __init__(self, model_path: str, algo: AlgoConfig, optim: OptimConfig, sync: SyncConfig, *,
                  temperature: float, max_new_tokens: int, threads: int = 1,
                  vp2o: VP2OConfig | None = None, ranks: Ranks | None = None, device: str = "cpu",
-                 deepspeed_stage: int = -1, shared_prefix: bool = True, beside: bool = False) -> None:
+                 deepspeed_stage: int = -1, shared_prefix: bool = True, beside: bool = False,
+                 activation_mb: int = 0, gradient_checkpointing: bool = False) -> None:
         torch.set_num_threads(threads)
         # a confident policy's softmax underflows into denormals, which made CPU steps ~1.8x slower
         torch.set_flush_denormal(True)
@@ -73,7 +75,12 @@ class Learner:
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.ranks, self.device = ranks or SingleRank(), torch.device(device)  # alone, or one of R ranks
         self.model = load_model(model_path).to(self.device).train()
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        plain_head(self.model)  # probed now, before any hook watches a forward
         self.named = trainable_named_parameters(self.model)
+        self.budget, self.checkpointing = activation_mb << 20, gradient_checkpointing  # learner_memory.py
+        self.chunk = head_chunk(self.model.config, self.budget)
         self.ref_model = load_model(model_path).to(self.device).eval() if algo.kl_coef else None
         # the drift forwards at slot weights in a process beside the update (learner_config.has_drift_process)
         self.beside = (BesideProcess(model_path, self.named, temperature) if beside and has_drift_process(
@@ -101,13 +108,13 @@ class Learner:
         """One step on `groups`, whose rows live in the step's `batches` (scored by `scores`)."""
         started = time.perf_counter()
         batch = collate(groups, batches, scores).to(self.device)
-        rewards = self._rewards(batch)
+        rewards = step_rewards(batch, self.algo)
         keep = adv_math.dynamic_filter(rewards) if self.algo.dynamic_filter else torch.ones(len(groups), dtype=torch.bool)
         updates = self._updates(batch, keep)
         measured = self._drift_rows(batch, updates)
         start, pending = self._start_logprobs(batch, updates, measured)
         lampo = self.algo.advantage == "lampo"  # its Δs needs π_prox before the first update
-        advantages, adv_metrics = self._advantages(batch, rewards, start.first(updates) if lampo else None)
+        advantages, adv_metrics = step_advantages(batch, rewards, self.algo, start.first(updates) if lampo else None)
         diag, vp2o_metrics, size = [], {}, batch.rewards.shape[1]
         for u, points in enumerate(updates):
             for seed, rows in points:
@@ -123,7 +130,7 @@ class Learner:
         self.ranks.share_logprobs(start, [((s, 1.0), r) for s, r in updates[0]] if updates and not lampo else [])
         self.step_count += 1
         self.steps_since_sync += 1
-        metrics = {**adv_metrics, **self.ranks.point_metrics(diag), **self._group_metrics(batch),
+        metrics = {**adv_metrics, **self.ranks.point_metrics(diag), **group_metrics(batch, self.step_count),
                    **vp2o_metrics, **drift_metrics(batch, start, updates, measured),
                    "updates": float(len(updates)), "filtered_groups": float((~keep).sum())}
         drift = (metrics["kl_k3_drift"], metrics["ess_frac_drift"]) if len(measured) else _NO_DRIFT
@@ -241,14 +248,11 @@ class Learner:
             return batch.logp_behav[rows]  # [0, T]: another rank's rows
         return self._row_logprobs(self.model, batch, rows)
 
-    def _logits(self, model, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
-        """[len(rows), L, V]: a plain forward, or with each prompt computed once when the rows come
-        in runs sharing one (services/prefix_forward.py; equal at every completion position)."""
-        return row_logits(model, batch.input_ids[rows], batch.attn[rows], batch.mask[rows], self._run(batch, rows))
-
     def _row_logprobs(self, model, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
+        """Token log-probs of `rows` (services/prefix_forward.py: each prompt computed once when the
+        rows come in runs sharing one; the head on completion positions only, in chunks)."""
         return row_logprobs(model, batch.input_ids[rows], batch.attn[rows], batch.mask[rows], batch.targets[rows],
-                            self._run(batch, rows), self.temperature)
+                            self._run(batch, rows), self.temperature, self.chunk)
 
     def _run(self, batch: TrainBatch, rows: torch.Tensor) -> int:
         """How many consecutive `rows` share each prompt (0: use the plain forward)."""
@@ -257,22 +261,56 @@ class Learner:
     def _backward(self, batch: TrainBatch, rows: torch.Tensor, advantages: torch.Tensor,
                   logp_prox: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
         """Loss on `rows` at the current weights against π_prox (None: this forward is π_prox);
-        backward; return detached diagnostics and the detached token log-probs. With no rows (another
-        rank's share) it only takes part in the denominators' collective."""
-        a = self.algo
+        backward, in micro-batches of whole prompt runs when the rows' activations would exceed
+        `activation_mb` (denominators those of all the rows); return detached diagnostics and the
+        detached token log-probs. With no rows (another rank's share) it only takes part in the
+        denominators' collective."""
         if not len(rows):
             self.ranks.denominators(batch.mask[rows])
             return {}, batch.logp_behav[rows]
-        with self.vp2o.capture(batch.attn[rows]) if self.vp2o else contextlib.nullcontext():
-            logits = self._logits(self.model, batch, rows)[:, :-1]
+        parts = self._micro(batch, rows)
+        if len(parts) == 1:
+            return self._micro_backward(batch, rows, advantages, logp_prox, None)
         mask = batch.mask[rows]
-        logp = losses.token_logprobs(logits, batch.targets[rows], self.temperature)
+        if self.algo.is_correction == "seq_mis":  # its mask needs π_prox before the first micro-batch's loss
+            if logp_prox is None:
+                with torch.no_grad():
+                    logp_prox = torch.cat([self._logprobs(batch, part) for part in parts])
+            mask = off_policy.correction_weights("seq_mis", logp_prox, batch.logp_behav[rows], mask,
+                                                 cap=self.algo.is_cap)[1]
+        agg = self.ranks.denominators(mask) or {"num_tokens": float(mask.sum()),
+                                                "num_seqs": float((mask.sum(1) > 0).sum())}
+        diag, logps, at = [], [], 0
+        for part in parts:
+            here = slice(at, at + len(part))
+            at += len(part)
+            metrics, logp = self._micro_backward(batch, part, advantages[here],
+                                                 None if logp_prox is None else logp_prox[here], agg)
+            diag.append((float(batch.mask[part].sum()), len(part), metrics))
+            logps.append(logp)
+        return combine_micro(diag), torch.cat(logps)
+
+    def _micro(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
+        """`rows` in micro-batches (services/learner_memory.py); KL-Cov's and VP2O's terms are over all of them."""
+        width = batch.input_ids.shape[1]
+        return [rows] if self.algo.loss == "kl_cov" or self.vp2o else micro_batches(
+            rows, self._run(batch, rows), width, self.budget, bytes_per_position(self.model, width, self.checkpointing))
+
+    def _micro_backward(self, batch: TrainBatch, rows: torch.Tensor, advantages: torch.Tensor,
+                        logp_prox: torch.Tensor | None, agg: dict | None) -> tuple[dict, torch.Tensor]:
+        """One forward and backward on `rows`; `agg`: the loss denominators of the whole update
+        (None: these rows are the whole update, the ranks' collective gives them)."""
+        a = self.algo
+        mask = batch.mask[rows]
+        with self.vp2o.capture(batch.attn[rows]) if self.vp2o else contextlib.nullcontext():
+            logp, entropy = row_token_stats(self.model, batch.input_ids[rows], batch.attn[rows], mask,
+                                            batch.targets[rows], self._run(batch, rows), self.temperature,
+                                            entropy=bool(a.entropy_coef), chunk_tokens=self.chunk)
         prox = logp.detach() if logp_prox is None else logp_prox
         loss_tok, mask_eff, metrics = self._policy_loss(logp, prox, batch.logp_behav[rows], advantages, mask)
-        agg = dict(max_len=self.max_new_tokens, **self.ranks.denominators(mask_eff))  # global among ranks
+        agg = dict(max_len=self.max_new_tokens, **(self.ranks.denominators(mask_eff) if agg is None else agg))
         loss = losses.aggregate_loss(loss_tok, mask_eff, a.loss_agg, **agg)
         if a.entropy_coef:
-            entropy = losses.entropy_from_logits(logits, self.temperature)
             loss = loss - a.entropy_coef * losses.aggregate_loss(entropy, mask_eff, a.loss_agg, **agg)
         if self.ref_model is not None:
             with torch.no_grad():
@@ -301,40 +339,6 @@ class Learner:
             loss_tok, metrics = losses.clipped_surrogate(logp, prox, advantages, mask_eff, **clip)
         metrics["is_weight_mean"] = (weights.sum(1) / mask.sum(1).clamp(min=1)).mean()
         return loss_tok * weights, mask_eff, metrics
-
-    def _rewards(self, batch: TrainBatch) -> torch.Tensor:
-        """The [B/G, G] rewards the advantages use: the verifier's, plus λ_sem·ROUGE-L for LamPO."""
-        if self.algo.advantage != "lampo":
-            return batch.rewards
-        size = batch.rewards.shape[1]
-        sem = torch.stack([rouge_l_rewards(batch.texts[g * size:(g + 1) * size], solution)
-                           if solution else torch.zeros(size, dtype=torch.float64)
-                           for g, solution in enumerate(batch.solutions)]).to(batch.rewards.dtype)
-        return adv_math.combined_reward(batch.rewards, sem, self.algo.lampo_lam_sem)
-
-    def _advantages(self, batch: TrainBatch, rewards: torch.Tensor, logp_prox: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
-        """Per-rollout advantages [B] from the [B/G, G] reward matrix (the configured estimator).
-        LamPO's Δs uses `logp_prox`, each rollout's π_prox at its first update: one policy for all
-        rollouts of a group (whole groups per update, M3PO's groups are one slot each)."""
-        a = self.algo
-        if a.advantage == "lampo":
-            seq_logp = adv_math.sequence_logprob(logp_prox, batch.mask, a.lampo_seq_logp)
-            advantages = adv_math.lampo_advantages(rewards, seq_logp.view_as(rewards).to(rewards.device), tau=a.lampo_tau)
-        elif a.advantage == "dr_grpo":
-            advantages = adv_math.dr_grpo_advantages(rewards)
-        else:
-            advantages = adv_math.grpo_advantages(rewards)
-        zero = adv_math.zero_advantage_groups(rewards)
-        rescued = adv_math.rescued_groups(batch.rewards, batch.slots)
-        return advantages.reshape(-1).float().to(batch.mask.device), {
-            "reward_mean": float(batch.rewards.mean()), "advantage_mean": float(advantages.mean()),
-            "zero_adv_frac": float(zero.float().mean()), "rescued_groups": float(rescued.sum())}
-
-    def _group_metrics(self, batch: TrainBatch) -> dict[str, float]:
-        staleness = self.step_count - 1 - batch.published_steps
-        return {"malformed_rate": float((batch.statuses == MALFORMED).mean()),
-                "staleness_mean": float(staleness.mean()), "staleness_max": float(staleness.max()),
-                "completion_tokens": float(batch.mask.sum())}
 
     def _sigma_metrics(self) -> dict[str, float]:
         if self.optim_cfg.name != "ivon":

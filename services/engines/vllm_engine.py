@@ -92,9 +92,6 @@ class VLLMEngine:
                                   all(r["loaded_ok"] for r in results), ratio, scale=noise.scale)
         return self.report
 
-    def encode(self, prompt: str) -> tuple[int, ...]:
-        return tuple(self.tokenizer.encode(prompt, add_special_tokens=False))
-
     def generate(self, requests: Sequence[EngineRequest], params: SamplingParams) -> list[list[GeneratedSample]]:
         from vllm import SamplingParams as VllmParams
         from vllm.inputs import TokensPrompt
@@ -105,7 +102,8 @@ class VLLMEngine:
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids), cache_salt=salt) for r in requests]
         sampling = [VllmParams(n=r.n, seed=r.seed % (1 << 63), temperature=params.temperature,
                                top_p=params.top_p, top_k=params.top_k, max_tokens=params.max_new_tokens,
-                               logprobs=0, detokenize=True, skip_special_tokens=True)
+                               stop_token_ids=list(params.stop_token_ids), logprobs=0, detokenize=True,
+                               skip_special_tokens=True)
                     for r in requests]
         outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
         return [[_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
@@ -127,7 +125,8 @@ class VLLMEngine:
 
 
 def _sample(c) -> GeneratedSample:
-    """One vLLM CompletionOutput: the sampled token's processed log-prob at each position."""
+    """One vLLM CompletionOutput: the sampled token's processed log-prob at each position (a stop
+    token from `stop_token_ids` is kept as the last token, as an EOS is)."""
     logprobs = tuple(float(step[token].logprob) for token, step in zip(c.token_ids, c.logprobs))
     finish = "stop" if c.finish_reason == "stop" else "length"
     return GeneratedSample(token_ids=tuple(c.token_ids), logprobs=logprobs, finish_reason=finish, text=c.text)

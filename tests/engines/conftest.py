@@ -38,6 +38,13 @@ class EngineHost:
     def rpc(self, method: str, *args):
         return self.engine.llm.collective_rpc(method, args=args)
 
+    def chat_ids(self, messages: list) -> list:
+        """What vLLM's own chat path makes of `messages`: its tokenizer renders the model's template,
+        then tokenizes the text without adding special tokens (`LLM.chat`)."""
+        tokenizer = self.engine.llm.get_tokenizer()
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(rendered, add_special_tokens=False)
+
     def identity(self) -> tuple[int, int]:
         """(process id, id of the backend's engine object): unchanged unless the engine restarted."""
         return self.pid, id(self.engine.llm)

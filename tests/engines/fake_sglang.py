@@ -14,7 +14,7 @@ import importlib
 import torch
 
 from threepo.services.engines.base import EngineRequest
-from threepo.services.engines.hf import generate
+from threepo.services.engines.decoding import generate
 from threepo.services.messages import SamplingParams
 from threepo.services.modeling import load_model, load_tokenizer
 
@@ -64,7 +64,8 @@ class FakeSGLangEngine:
         out = []
         for ids, sp in zip(input_ids, sampling_params):
             params = SamplingParams(temperature=sp["temperature"], top_p=sp["top_p"],
-                                    top_k=max(0, sp["top_k"]), max_new_tokens=sp["max_new_tokens"])
+                                    top_k=max(0, sp["top_k"]), max_new_tokens=sp["max_new_tokens"],
+                                    stop_token_ids=tuple(sp["stop_token_ids"]))
             s = generate(self.model.hf, self.tokenizer, [EngineRequest(tuple(ids), 1, sp["sampling_seed"])],
                          params, batch_size=1)[0][0]
             out.append({"text": s.text, "output_ids": list(s.token_ids), "meta_info": {

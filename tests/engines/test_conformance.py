@@ -18,9 +18,12 @@ from threepo.algorithms.sampling import sampling_logprobs
 from threepo.services.engines.base import EngineRequest, WeightsMismatch
 from threepo.services.messages import NoiseSpec, SamplingParams
 from threepo.services.modeling import load_model, load_tokenizer, trainable_named_parameters
+from threepo.services.prompting import PromptConfig, PromptEncoder
+from threepo.services.tokenizer import build_tokenizer
 
 FILTERS = {"T=1": dict(temperature=1.0), "T=0.7,k=5,p=0.8": dict(temperature=0.7, top_k=5, top_p=0.8)}
 PROMPTS = ("Q: 12+34= A: ", "Q: 7*8= A: ", "x")
+ENCODER = PromptEncoder(build_tokenizer(), PromptConfig())  # the tiny checkpoint's: raw text, no template
 
 
 class Learner:
@@ -66,7 +69,7 @@ def served(engine, learner):
 
 
 def _requests(eng, seeds=(11, 22, 33), n=2):
-    return [EngineRequest(tuple(eng.encode(p)), n, seed) for p, seed in zip(PROMPTS, seeds)]
+    return [EngineRequest(ENCODER.encode(p), n, seed) for p, seed in zip(PROMPTS, seeds)]
 
 
 def _params(**filters):
@@ -163,7 +166,7 @@ def test_no_kv_state_computed_under_other_weights_is_reused(served, learner, tin
     # prompts longer than a cache block (vLLM's CPU block is 128 tokens): a reused prefix would give
     # log-probs of the other policy
     _, eng = served
-    long = [EngineRequest(tuple(eng.encode("Q: " + "12+34+56+78+" * 16 + "9= A: ")), 2, 40 + i) for i in range(2)]
+    long = [EngineRequest(ENCODER.encode("Q: " + "12+34+56+78+" * 16 + "9= A: "), 2, 40 + i) for i in range(2)]
     assert len(long[0].prompt_ids) > 128
     params = _params()
     eng.serve(NoiseSpec(1, 100))
@@ -179,7 +182,7 @@ def test_no_kv_state_computed_under_other_weights_is_reused(served, learner, tin
 def test_finish_reasons_eos_and_length(served):
     # the untrained model samples EOS (id 1) with probability ~1/72 per step: over 48 x 40 steps both occur
     _, eng = served
-    samples = eng.generate([EngineRequest(tuple(eng.encode("Q: 1+1= A: ")), 48, 5)],
+    samples = eng.generate([EngineRequest(ENCODER.encode("Q: 1+1= A: "), 48, 5)],
                            SamplingParams(max_new_tokens=40))[0]
     assert {s.finish_reason for s in samples} == {"stop", "length"}
     for s in samples:
@@ -208,7 +211,7 @@ def test_weights_corrupted_while_serving_are_detected(served):
     assert eng.verify()
     if backend == "hf":
         with torch.no_grad():
-            next(iter(eng._params.values())).view(-1)[0] *= 1.5
+            next(iter(eng.served().values())).view(-1)[0] *= 1.5
     elif backend == "vllm":
         eng.rpc("threepo_corrupt_for_test", 1.5)
     elif backend == "sglang_fake":

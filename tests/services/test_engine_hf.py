@@ -1,4 +1,5 @@
-"""The HF sampler engine: tokenizer round trip, exact behaviour log-probs, parameter noise, restore."""
+"""The HF sampler engine: tokenizer round trip, exact behaviour log-probs, parameter noise, restore,
+slots decoded together from the slot bank."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def test_a_row_draws_the_same_tokens_whatever_shares_its_batch(engine):
 def test_perturbation_is_identical_in_another_process(engine, tiny_dense_path):
     engine.load_version(3, *_posterior(engine))
     engine.serve(NoiseSpec(3, seed=2026))
-    here = param_noise.weights_checksum(engine._params.items())
+    here = param_noise.weights_checksum(engine.served().items())
     code = f"""
 import numpy as np, torch
 from threepo.algorithms.param_noise import weights_checksum
@@ -68,7 +69,7 @@ e.load_version(3, mean, {{n: np.full(a.shape, 0.02, dtype=np.float32) for n, a i
                weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items()))
 for seed in (2026, 2027):
     e.serve(NoiseSpec(3, seed=seed))
-    print(weights_checksum(e._params.items()))
+    print(weights_checksum(e.served().items()))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     there_same, there_other = out.stdout.split()
@@ -107,32 +108,6 @@ def test_a_perturbed_sample_written_in_place_is_bit_identical_to_a_new_one():
     assert torch.equal(built.view(torch.int32), reference.view(torch.int32))
 
 
-def test_the_lean_qwen2_decoder_gives_transformers_logits(tiny_dense_path):
-    from threepo.services.engines.qwen2_decode import LeanQwen2
-    from threepo.services.modeling import load_model
-
-    model = load_model(tiny_dense_path).eval()
-    assert LeanQwen2.supports(model)
-    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])  # left padding in row 0
-    attn = (ids != 0).long()
-    positions = (attn.cumsum(-1) - 1).clamp(min=0)
-    lean = LeanQwen2(model)
-    cache = lean.new_cache(2, 8, torch.float32)
-    keys = torch.zeros(2, 8, dtype=torch.bool)
-    keys[:, :6] = attn.bool()
-    with torch.no_grad():
-        first = lean.forward(ids, positions, cache, 0, keys)
-        keys[:, 6] = True
-        nxt = torch.tensor([[20], [21]])
-        second = lean.forward(nxt, positions[:, -1:] + 1, cache, 6, keys)
-        full = torch.cat([ids, nxt], 1)
-        full_attn = torch.cat([attn, torch.ones(2, 1, dtype=torch.long)], 1)
-        reference = model(input_ids=full, attention_mask=full_attn,
-                          position_ids=(full_attn.cumsum(-1) - 1).clamp(min=0)).logits
-    torch.testing.assert_close(first, reference[:, -2], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(second, reference[:, -1], atol=1e-5, rtol=1e-5)
-
-
 def test_slots_decoded_together_sample_as_each_slot_served_alone(tiny_dense_path):
     engine = HFEngine(tiny_dense_path, SamplerConfig(batch_size=8, seed=3))
     engine.load_version(4, *_posterior(engine))
@@ -141,9 +116,9 @@ def test_slots_decoded_together_sample_as_each_slot_served_alone(tiny_dense_path
               (NoiseSpec(4, seed=12), [EngineRequest((3, 4), 4, seed=3)]),
               (NoiseSpec(4, seed=11, scale=2.0), [EngineRequest((8, 8, 8, 8), 1, seed=4)]),
               (NoiseSpec(4, seed=None), [EngineRequest((5, 6, 7), 2, seed=1)])]
-    served_before = param_noise.weights_checksum(engine._params.items())
+    served_before = param_noise.weights_checksum(engine.served().items())
     together = engine.generate_slots(groups, params)  # passes of 5 | 4 + 1 (padded to 4) | 2 rows
-    assert param_noise.weights_checksum(engine._params.items()) == served_before  # the model is untouched
+    assert param_noise.weights_checksum(engine.served().items()) == served_before  # what serve serves is untouched
     for (noise, requests), (report, unchanged, samples) in zip(groups, together):
         alone_report = engine.serve(noise)
         alone = engine.generate(requests, params)
@@ -155,22 +130,39 @@ def test_slots_decoded_together_sample_as_each_slot_served_alone(tiny_dense_path
     assert together[0][2][0][0].logprobs != together[3][2][0][0].logprobs
 
 
-def test_stacked_slot_weights_corrupted_are_flagged_then_rebuilt(tiny_dense_path):
+def test_slot_weights_corrupted_in_the_bank_are_flagged_then_rebuilt(tiny_dense_path):
     engine = HFEngine(tiny_dense_path, SamplerConfig(batch_size=8, seed=3))
     engine.load_version(1, *_posterior(engine))
     params = SamplingParams(max_new_tokens=4)
     groups = [(NoiseSpec(1, seed=s), [EngineRequest((5, 6), 2, seed=s)]) for s in (21, 22)]
-    assert all(r.loaded_ok and unchanged for r, unchanged, _ in engine.generate_slots(groups, params))
-    (lean, _), = engine._decoders.values()
+    first = engine.generate_slots(groups, params)
+    assert all(r.loaded_ok and unchanged for r, unchanged, _ in first)
+    row = engine.bank.place([(22, 1.0)], lambda *_: pytest.fail("slot 22 is resident"))[0]
     with torch.no_grad():
-        lean.layers[1]["down_w"][1].view(-1)[7] += 1e-3  # a stray write into slot 22's stacked weights
+        engine.bank.rows[row, 7] += 1e-3  # a stray write into slot 22's weights
     first, second = engine.generate_slots(groups, params)
     assert first[0].loaded_ok and first[1] and second[0].loaded_ok and not second[1]
     assert all(r.loaded_ok and unchanged for r, unchanged, _ in engine.generate_slots(groups, params))
 
 
+def test_the_slot_bank_is_bounded_in_bytes_and_a_call_with_more_slots_takes_several_passes(tiny_dense_path):
+    one_set = HFEngine(tiny_dense_path, SamplerConfig(seed=3)).bank.set_bytes
+    small = HFEngine(tiny_dense_path, SamplerConfig(batch_size=16, seed=3, slot_cache_mb=1))
+    assert small.bank.capacity == (1 << 20) // one_set >= 2
+    small.load_version(1, *_posterior(small))
+    slots = small.bank.capacity + 2
+    groups = [(NoiseSpec(1, seed=100 + s), [EngineRequest((5, 6), 1, seed=s)]) for s in range(slots)]
+    params = SamplingParams(max_new_tokens=4)
+    together = small.generate_slots(groups, params)
+    assert len(small.bank.rows) == small.bank.capacity  # never more rows than the budget holds
+    for (noise, requests), (report, unchanged, samples) in zip(groups, together):
+        small.serve(noise)
+        assert report.loaded_ok and unchanged
+        assert [s.token_ids for s in samples[0]] == [s.token_ids for s in small.generate(requests, params)[0]]
+
+
 def test_distinct_rows_are_found_per_weight_slot():
-    from threepo.services.engines.hf import _distinct_rows
+    from threepo.services.engines.decoding import _distinct_rows
 
     rows = torch.tensor([[1, 2], [1, 2], [3, 4], [1, 2],    # slot 0: two distinct rows
                          [5, 5], [5, 5], [5, 5], [5, 5]])   # slot 1: one, repeated
@@ -182,14 +174,19 @@ def test_distinct_rows_are_found_per_weight_slot():
 
 
 def test_a_shared_prefill_gives_every_row_its_own_logits_and_cache(tiny_dense_path):
-    from threepo.services.engines.hf import _shared_prefill
-    from threepo.services.engines.qwen2_decode import LeanQwen2
+    from threepo.services.engines.decoding import _shared_prefill
+    from threepo.services.engines.lean_decoder import LeanDecoder, WeightLayout
     from threepo.services.modeling import load_model
 
     model = load_model(tiny_dense_path).eval()
-    noisy = {n: p.detach() + 0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
-             for i, (n, p) in enumerate(model.named_parameters())}
-    lean = LeanQwen2(model, [{}, noisy])  # slot 1 is another policy: its rows must not share slot 0's
+    params = dict(model.named_parameters())
+    layout = WeightLayout.of(model, list(params))
+    sets = torch.empty(2, layout.numel)
+    for s in range(2):  # set 1 is another policy: its rows must not share set 0's
+        for i, (name, view) in enumerate(layout.views(sets[s]).items()):
+            noise = torch.randn(view.shape, generator=torch.Generator().manual_seed(i))
+            view.copy_(params[name].detach() + 0.05 * s * noise)
+    lean = LeanDecoder(model, layout, sets)
     ids = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9], [0, 5, 6],
                         [0, 5, 6], [7, 8, 9], [7, 8, 9], [7, 8, 9]])
     keys = torch.zeros(8, 5, dtype=torch.bool)
@@ -200,7 +197,28 @@ def test_a_shared_prefill_gives_every_row_its_own_logits_and_cache(tiny_dense_pa
         plain = lean.forward(ids, positions, plain_cache, 0, keys)
         shared = _shared_prefill(lean, ids, positions, shared_cache, keys)
     torch.testing.assert_close(shared, plain, atol=1e-6, rtol=1e-6)
-    assert not torch.allclose(shared[0], shared[4])  # the same prompt under two slots differs
+    assert not torch.allclose(shared[0], shared[4])  # the same prompt under two sets differs
     for (k, v), (k_shared, v_shared) in zip(plain_cache, shared_cache):
         torch.testing.assert_close(k_shared, k, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(v_shared, v, atol=1e-6, rtol=1e-6)
+
+
+def test_the_model_holds_the_mean_once_as_views_of_one_flat_weight_set(engine):
+    flat = engine._mean_set
+    params = list(engine.model.parameters())
+    assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in params)
+    assert sum(p.numel() for p in params) == flat.numel()
+
+
+def test_greedy_decoding_takes_the_argmax_and_stops_at_any_stop_token(engine):
+    engine.load_version(9, *_posterior(engine))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    first = engine.generate([EngineRequest((5, 6, 7), 2, seed=1)], greedy)[0]
+    other = engine.generate([EngineRequest((5, 6, 7), 1, seed=99)], greedy)[0]
+    assert first[0].token_ids == first[1].token_ids == other[0].token_ids  # no randomness at all
+    assert all(lp == 0.0 for lp in first[0].logprobs)
+    tokens = first[0].token_ids
+    stop = tokens[2]  # make the third greedy token a stop token: the completion ends there, keeping it
+    cut = engine.generate([EngineRequest((5, 6, 7), 1, seed=1)],
+                          SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop,)))[0][0]
+    assert cut.token_ids == tokens[:tokens.index(stop) + 1] and cut.finish_reason == "stop"

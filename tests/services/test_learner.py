@@ -15,6 +15,7 @@ from threepo.algorithms.exploration import make_plan, update_seed
 from threepo.algorithms.param_noise import perturbed_state
 from threepo.services.batching import batches_from_groups, collate
 from threepo.services.learner import Learner
+from threepo.services.learner_advantages import step_rewards
 from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig
 from threepo.services.messages import Completion, Group, ScoredCompletion, VerifyResult, VerifyStatus
 from threepo.services.modeling import load_model, load_tokenizer, trainable_named_parameters
@@ -283,7 +284,7 @@ def test_lampo_compares_sequences_under_one_recomputed_policy(sampler, tiny_dens
     with torch.no_grad(), c.opt.sampled_params(update_seed(0, 0, 0, 0), train=False):
         logits = c.model(input_ids=batch.input_ids, attention_mask=batch.attn).logits[:, :-1]
     seq = adv_math.sequence_logprob(losses.token_logprobs(logits, batch.targets, 1.0), batch.mask, "sum")
-    rewards = c._rewards(batch)
+    rewards = step_rewards(batch, c.algo)
     expected = adv_math.lampo_advantages(rewards, seq.view_as(rewards), tau=c.algo.lampo_tau)
     assert ra.metrics["advantage_mean"] == pytest.approx(float(expected.mean()), abs=1e-5)
 
@@ -394,3 +395,26 @@ def test_an_error_in_the_process_beside_the_update_fails_the_step_and_the_next_o
     learner.beside.proc.wait()
     with pytest.raises(RuntimeError, match="process exited"):
         _step(learner, groups)
+
+
+@pytest.mark.parametrize("optim,is_correction,entropy", [("ivon", "seq_tis", 0.0), ("adamw", "seq_mis", 0.01)])
+def test_a_step_in_micro_batches_equals_the_whole_update(sampler, tiny_dense_path, optim, is_correction, entropy):
+    # activation_mb=1 holds ~3 rows of the tiny model: every update runs in micro-batches of whole
+    # prompt runs, with the whole update's denominators (seq_mis: its mask from π_prox, computed first)
+    exploration = "c3po" if optim == "ivon" else "grpo"
+    algo = AlgoConfig(exploration=exploration, n_slots=4 if optim == "ivon" else 1, group_size=8,
+                      is_correction=is_correction, entropy_coef=entropy)
+    whole, split = (Learner(tiny_dense_path, algo, OptimConfig(name=optim, lr=1e-3 if optim == "adamw" else 10.0),
+                            SyncConfig(max_staleness=2), temperature=1.0, max_new_tokens=10, activation_mb=mb)
+                    for mb in (0, 1))
+    groups = _groups(sampler, whole, exploration, algo.n_slots, 8)
+    batch = collate(*batches_from_groups(groups))
+    rows = torch.arange(len(batch.statuses))
+    assert len(split._micro(batch, rows)) > 2 and len(whole._micro(batch, rows)) == 1
+    for _ in range(2):
+        a, b = _step(whole, groups), _step(split, groups)
+        for key in ("loss", "clip_frac", "is_weight_mean", "kl_k3"):
+            assert b.metrics[key] == pytest.approx(a.metrics[key], rel=1e-4, abs=1e-6), key
+    for (name, p), (_, q) in zip(whole.named, split.named):
+        torch.testing.assert_close(q, p, atol=1e-6, rtol=1e-5)
+    assert any(not torch.equal(p, load_model(tiny_dense_path).state_dict()[n]) for n, p in whole.named)

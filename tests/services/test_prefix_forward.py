@@ -1,5 +1,6 @@
 """The shared-prefix forward gives the plain forward's logits and gradients at every completion
-position (to fp32 rounding), for groups with prompts and completions of different lengths."""
+position (to fp32 rounding), for groups with prompts and completions of different lengths; the token
+log-probs and entropies from hidden states, the head in checkpointed chunks, equal a full forward's."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from threepo.services import prefix_forward
 from threepo.services.modeling import load_model
-from threepo.services.prefix_forward import prompt_runs, shared_prefix_logits
+from threepo.services.prefix_forward import prompt_runs, row_token_stats, shared_prefix_hidden
 
 
 def _batch(group_size=4, groups=3, seed=1):
@@ -30,7 +31,7 @@ def test_logits_and_gradients_equal_the_plain_forward(tiny_dense_path):
     model = load_model(tiny_dense_path).train()
     ids, attn, mask = _batch()
     plain = model(input_ids=ids, attention_mask=attn).logits
-    shared = shared_prefix_logits(model, ids, mask, 4)
+    shared = shared_prefix_hidden(model, ids, mask, 4, logits=True)
     at = mask.bool()
     torch.testing.assert_close(shared[:, :-1][at], plain[:, :-1][at], atol=1e-5, rtol=1e-5)
 
@@ -40,7 +41,8 @@ def test_logits_and_gradients_equal_the_plain_forward(tiny_dense_path):
         (logp * mask).sum().backward()
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    g_plain, g_shared = grads(model(input_ids=ids, attention_mask=attn).logits), grads(shared_prefix_logits(model, ids, mask, 4))
+    g_plain = grads(model(input_ids=ids, attention_mask=attn).logits)
+    g_shared = grads(shared_prefix_hidden(model, ids, mask, 4, logits=True))
     for name in g_plain:
         torch.testing.assert_close(g_shared[name], g_plain[name], atol=1e-4, rtol=1e-4)
 
@@ -55,7 +57,7 @@ def test_only_runs_of_rows_with_one_prompt_share_it(tiny_dense_path):
     mask = mask.clone()
     mask[1] = torch.roll(mask[1], 1)  # row 1 claims a longer prompt than row 0 of its group
     with pytest.raises(ValueError, match="different lengths"):
-        shared_prefix_logits(load_model(tiny_dense_path), ids, mask, 2)
+        shared_prefix_hidden(load_model(tiny_dense_path), ids, mask, 2)
 
 
 def test_length_buckets_split_off_long_completions_only_when_that_pads_less():
@@ -80,7 +82,7 @@ def test_completions_of_very_different_lengths_run_in_two_passes_with_the_plain_
         mask[i, len(p) - 1:len(p) - 1 + len(c)] = 1
     passes, forward = [], model.forward
     monkeypatch.setattr(model, "forward", lambda *a, **k: passes.append(k["input_ids"].shape) or forward(*a, **k))
-    shared = shared_prefix_logits(model, ids, mask, 8)
+    shared = shared_prefix_hidden(model, ids, mask, 8, logits=True)
     assert len(passes) == 3 and passes[-1] == (1, 40)  # prompts, the short rows, the long one
     plain = forward(input_ids=ids, attention_mask=attn).logits
     at = mask.bool()
@@ -92,3 +94,41 @@ def test_completions_of_very_different_lengths_run_in_two_passes_with_the_plain_
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("run,chunk", [(0, 0), (4, 0), (4, 5), (0, 7)])
+def test_token_stats_from_hidden_states_in_chunks_equal_the_full_forwards(tiny_dense_path, run, chunk):
+    model = load_model(tiny_dense_path).train()
+    ids, attn, mask = _batch()
+    targets = ids[:, 1:]
+
+    def full():
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1] / 0.7
+        logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1) * mask
+        entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1) * mask
+        return logp, entropy
+
+    def grads(logp, entropy):
+        model.zero_grad()
+        ((logp * mask).sum() + 0.3 * (entropy * mask).sum()).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want = full()
+    got = row_token_stats(model, ids, attn, mask, targets, run, 0.7, entropy=True, chunk_tokens=chunk)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a * mask, b, atol=1e-5, rtol=1e-5)
+        assert not a[mask == 0].any()  # nothing outside the completions
+    g_got, g_want = grads(*got), grads(*full())
+    for name in g_want:
+        torch.testing.assert_close(g_got[name], g_want[name], atol=1e-4, rtol=1e-4)
+
+
+def test_micro_batches_are_whole_prompt_runs_within_the_budget():
+    from threepo.services.learner_memory import micro_batches
+
+    rows = torch.arange(32)
+    assert [len(m) for m in micro_batches(rows, 8, 10, 0, 100)] == [32]  # no budget: one
+    parts = micro_batches(rows, 8, 10, 10 * 100 * 17, 100)  # 17 rows fit: two runs of 8 per part
+    assert [len(m) for m in parts] == [16, 16] and torch.equal(torch.cat(parts), rows)
+    assert [len(m) for m in micro_batches(rows, 8, 10, 1, 100)] == [8] * 4  # at least one run each
+    assert [len(m) for m in micro_batches(torch.arange(5), 0, 10, 3 * 1000, 100)] == [3, 2]

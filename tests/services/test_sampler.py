@@ -21,7 +21,11 @@ from threepo.services.engines.hf import HFEngine
 from threepo.services.messages import PublishedVersion, RolloutRequest, TaskItem
 from threepo.services.metrics import PrometheusMetrics
 from threepo.services.posterior import PosteriorConfig, PosteriorServer
+from threepo.services.prompting import PromptConfig, PromptEncoder
 from threepo.services.sampler import Sampler
+from threepo.services.tokenizer import build_tokenizer
+
+PROMPTS = PromptEncoder(build_tokenizer(), PromptConfig())  # the tiny checkpoint's tokenizer: raw text
 
 
 class CountingEngine:
@@ -36,9 +40,6 @@ class CountingEngine:
     def serve(self, noise):
         self.serves.append(noise)
         return self.inner.serve(noise)
-
-    def encode(self, prompt):
-        return self.inner.encode(prompt)
 
     def generate(self, requests, params):
         self.generates.append(([self.inner.tokenizer.decode(r.prompt_ids) for r in requests],
@@ -70,7 +71,7 @@ def setup(hf_engine):
         server.publish(PublishedVersion(0, "init", mean, {n: np.full(a.shape, 0.02) for n, a in mean.items()},
                                         checksum))
     engine = CountingEngine(hf_engine)
-    sampler = Sampler(engine, engine_id=7, cfg=CFG)
+    sampler = Sampler(engine, prompts=PROMPTS, engine_id=7, cfg=CFG)
     sampler.update(1, *server.weights(1))
     return sampler, engine, server
 
@@ -170,7 +171,7 @@ def test_a_request_for_another_version_is_refused_before_any_work(setup, hf_engi
     with pytest.raises(ValueError, match=r"policy_version 2.*holds version 1"):
         _gen(sampler, requests)
     assert engine.serves == [] and engine.generates == [] and sampler.stats()["next_seq_no"] == 0
-    fresh = Sampler(CountingEngine(hf_engine), engine_id=1, cfg=CFG)
+    fresh = Sampler(CountingEngine(hf_engine), prompts=PROMPTS, engine_id=1, cfg=CFG)
     with pytest.raises(ValueError, match="holds version None: update first"):
         _gen(fresh, _requests(plan, [0]))
 
@@ -190,7 +191,7 @@ def test_a_reissued_request_draws_the_same_tokens(setup):
 def test_metrics_follow_the_stats(setup):
     _, engine, server = setup
     metrics = PrometheusMetrics()
-    sampler = Sampler(engine, engine_id=3, cfg=CFG, metrics=metrics)
+    sampler = Sampler(engine, prompts=PROMPTS, engine_id=3, cfg=CFG, metrics=metrics)
     sampler.update(1, *server.weights(1))
     completions = _gen(sampler, _requests(server.plan(1), [0]))
 
@@ -206,12 +207,12 @@ def test_metrics_follow_the_stats(setup):
 def test_weights_corrupted_while_serving_are_flagged_and_reloaded(setup):
     sampler, engine, server = setup
     metrics = PrometheusMetrics()
-    sampler = Sampler(engine, engine_id=5, cfg=CFG, metrics=metrics)
+    sampler = Sampler(engine, prompts=PROMPTS, engine_id=5, cfg=CFG, metrics=metrics)
     sampler.update(1, *server.weights(1))
     requests = _requests(server.plan(1), [1])
     assert all(c.weights_verified for c in _gen(sampler, requests))
     with torch.no_grad():
-        next(iter(engine.inner._params.values())).view(-1)[3] += 1e-3  # a stray write into served weights
+        next(iter(engine.inner.served().values())).view(-1)[3] += 1e-3  # a stray write into served weights
     flagged = _gen(sampler, requests)
     assert not any(c.weights_verified for c in flagged)
     assert metrics.registry.get_sample_value("threepo_weight_check_failures_total",
@@ -233,7 +234,8 @@ def test_noise_lost_to_bf16_is_measured_and_warned_about(tiny_dense_path, caplog
     mean = {n: p.detach().float().numpy().copy() for n, p in bf16._params.items()}
     checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
     metrics = PrometheusMetrics()
-    sampler = Sampler(bf16, engine_id=2, cfg=SamplerConfig(dtype="bfloat16", max_new_tokens=4), metrics=metrics)
+    sampler = Sampler(bf16, prompts=PROMPTS, engine_id=2, cfg=SamplerConfig(dtype="bfloat16", max_new_tokens=4),
+                      metrics=metrics)
     tiny_sigma = {n: np.full(a.shape, 1e-6, np.float32) for n, a in mean.items()}  # far below bf16 spacing
     sampler.update(1, mean, tiny_sigma, checksum)
     item = TaskItem(uid="p", prompt="Q: 1+2= A: ", answer="3")
@@ -241,7 +243,8 @@ def test_noise_lost_to_bf16_is_measured_and_warned_about(tiny_dense_path, caplog
         _gen(sampler, [RolloutRequest("g/s0", "g", item, 1, 0, 77, 1)])
     ratio = metrics.registry.get_sample_value("threepo_served_noise_ratio", {"engine_id": "2"})
     assert ratio < 0.5 and "exploration noise survives" in caplog.text
-    fp32 = Sampler(HFEngine(tiny_dense_path, SamplerConfig(seed=4)), engine_id=3, cfg=SamplerConfig(max_new_tokens=4))
+    fp32 = Sampler(HFEngine(tiny_dense_path, SamplerConfig(seed=4)), prompts=PROMPTS, engine_id=3,
+                   cfg=SamplerConfig(max_new_tokens=4))
     fp32.update(1, mean, tiny_sigma, checksum)
     _gen(fp32, [RolloutRequest("g/s0", "g", item, 1, 0, 77, 1)])
     assert fp32.stats()["noise_ratio"] == pytest.approx(1.0, abs=1e-6)
@@ -252,7 +255,7 @@ def test_an_engine_with_generate_slots_decodes_a_calls_slots_together_with_the_s
     plan = server.plan(1)
     requests = _requests(plan, [0, 2, 1])
     one_by_one = _gen(counting, requests)
-    together = Sampler(hf_engine, engine_id=7, cfg=CFG)
+    together = Sampler(hf_engine, prompts=PROMPTS, engine_id=7, cfg=CFG)
     together.update(1, *server.weights(1))
     serves_before = together.stats()["serves"]
     joint = _gen(together, requests)

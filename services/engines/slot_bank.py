@@ -1,0 +1,118 @@
+"""The hf engine's weight sets: the served mean and the perturbed slots of one version, in flat buffers.
+
+The model's own parameters are views of one flat weight set (`lean_decoder.bind`): the mean, in the
+served dtype, held once. Each slot θ̂ = m + c · σ ⊙ z(seed) that the engine serves is built into one
+row of a bank [K, numel] (`SlotBank`), in the same layout, so a decoder over any run of consecutive
+rows reads them in place (no stacked copies), and the rows a call does not need stay built for the
+next call. The bank is bounded in bytes (`sampler.slot_cache_mb`): K = that budget over the bytes of
+one weight set (at least one row), grown as slots are asked for; a slot not asked for the longest
+is overwritten first. A new version empties it.
+
+The weight check per row: the fingerprint of the values written (θ̂ cast to the served dtype, as
+computed) against the row after writing (`loaded`), and against the row after each call (`holds`).
+
+Not here: drawing z (algorithms/param_noise.py), decoding (lean_decoder.py), sampling (hf.py).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from threepo.algorithms import param_noise
+from threepo.services.engines.lean_decoder import WeightLayout
+
+Key = tuple  # (seed, σ multiplier) of a slot
+
+
+class SlotBank:
+    """Perturbed weight sets of one version, one per row (see the module docstring)."""
+
+    def __init__(self, layout: WeightLayout, dtype: torch.dtype, budget_bytes: int) -> None:
+        self.layout, self.dtype = layout, dtype
+        self.set_bytes = layout.numel * torch.empty(0, dtype=dtype).element_size()
+        self.capacity = max(1, budget_bytes // self.set_bytes)
+        self.rows = torch.empty(0, layout.numel, dtype=dtype)
+        self._at: OrderedDict[Key, int] = OrderedDict()  # slot -> row, least recently used first
+        self._checks: dict[int, tuple[tuple[int, int], bool, float]] = {}  # row -> (fingerprint fed, loaded, ratio)
+
+    def clear(self) -> None:
+        """Forget every slot (a new version); the rows are kept for reuse."""
+        self._at.clear()
+        self._checks.clear()
+
+    def place(self, keys: Sequence[Key], build: Callable[[Key, dict[str, torch.Tensor]], float]) -> list[int]:
+        """Rows holding the slots `keys` (at most `capacity`), consecutive where they can be: a slot
+        not resident is built by `build(key, views of its row by name)`, which writes θ̂ and returns
+        its served-noise ratio."""
+        if len(keys) > self.capacity:
+            raise ValueError(f"{len(keys)} slots asked for at once, the bank holds {self.capacity}")
+        self._grow(min(self.capacity, len(self._at) + sum(k not in self._at for k in keys)))
+        for key in keys:
+            if key in self._at:
+                self._at.move_to_end(key)
+                continue
+            free = sorted(set(range(len(self.rows))) - set(self._at.values()))
+            row = free[0] if free else self._evict(keys)
+            self._at[key] = row
+            self._checks[row] = self._build(key, row, build)
+        return [self._at[k] for k in keys]
+
+    def sets(self, rows: Sequence[int]) -> torch.Tensor:
+        """Weight sets [S, numel] of `rows` in that order: a view where they are consecutive."""
+        first = rows[0]
+        if list(rows) == list(range(first, first + len(rows))):
+            return self.rows[first:first + len(rows)]
+        return self.rows[torch.tensor(list(rows))]  # a copy, for this call only
+
+    def loaded(self, row: int) -> bool:
+        return self._checks[row][1]
+
+    def ratio(self, row: int) -> float:
+        return self._checks[row][2]
+
+    def holds(self, row: int) -> bool:
+        """Does `row` still hold exactly the values written into it?"""
+        return param_noise.value_fingerprint([self.rows[row]]) == self._checks[row][0]
+
+    def forget(self, key: Key) -> None:
+        """Drop slot `key` (a failed check): it is built afresh when asked for again."""
+        row = self._at.pop(key, None)
+        self._checks.pop(row, None)
+
+    def _grow(self, size: int) -> None:
+        if size > len(self.rows):
+            grown = torch.empty(size, self.layout.numel, dtype=self.dtype)
+            grown[:len(self.rows)] = self.rows
+            self.rows = grown
+
+    def _evict(self, keep: Sequence[Key]) -> int:
+        victim = next(k for k in self._at if k not in keep)
+        row = self._at.pop(victim)
+        self._checks.pop(row, None)
+        return row
+
+    def _build(self, key: Key, row: int, build) -> tuple[tuple[int, int], bool, float]:
+        views = self.layout.views(self.rows[row])
+        ratio, fed = build(key, views)
+        return fed, param_noise.value_fingerprint([self.rows[row]]) == fed, ratio
+
+
+def write_slot(views: Mapping[str, torch.Tensor], mean: Mapping[str, torch.Tensor],
+               sigma: Mapping[str, torch.Tensor], seed: int | None, scale: float) -> tuple[float, tuple[int, int]]:
+    """θ̂ = m + c · σ ⊙ z(seed) (the mean for seed None) written into `views` (by name, in their
+    dtype); returns the served-noise ratio and the fingerprint of the values written."""
+    served, intended, parts = 0.0, 0.0, []
+    for name, view in views.items():
+        theta = param_noise.perturbed(mean[name], sigma[name], seed, name, scale) if (
+            seed is not None and name in sigma) else mean[name].detach().float()
+        cast = theta.to(view.dtype)
+        view.copy_(cast)
+        parts.append(param_noise.value_fingerprint([cast]))  # not the tensors: no second copy of θ̂ held
+        if seed is not None and name in sigma and view.dtype != torch.float32:
+            a, b = param_noise.served_noise_ratio(mean[name], theta, view.dtype)
+            served, intended = served + a, intended + b
+    ratio = (served / intended) ** 0.5 if intended else 1.0
+    return ratio, param_noise.combined_fingerprint(parts)
