@@ -151,12 +151,11 @@ class IVON(torch.optim.Optimizer):
         estimate assumes ε ~ N(0, σ²), so a training sample must have c = 1."""
         if train and scale != 1.0:
             raise ValueError(f"sampled_params: a training sample needs scale 1 (ε ~ N(0, σ²)), got {scale}")
-        noise = {name: noise_like(seed, name, p.shape) for name, p in self._named()} if train and seed is not None else {}
         try:
-            load_perturbed(self._named(), self.mean_by_name(), self.sigma_by_name(), seed, scale, noise)
+            load_perturbed(self._named(), self.mean_by_name(), self.sigma_by_name(), seed, scale)
             yield
             if train:
-                self._accumulate(seed, noise)
+                self._accumulate(seed)
                 self.zero_grad(set_to_none=True)
         finally:
             with torch.no_grad():
@@ -164,7 +163,9 @@ class IVON(torch.optim.Optimizer):
                     p.copy_(self.state[name]["mean"])
 
     @torch.no_grad()
-    def _accumulate(self, seed: int | None, noise: dict[str, torch.Tensor]) -> None:
+    def _accumulate(self, seed: int | None) -> None:
+        # z is drawn again from (seed, name), tensor by tensor, rather than held through the backward:
+        # a whole copy of the model less at the learner's peak, for one more draw per update
         self._count += 1
         second = "nxg" if self.param_groups[0]["hess_approx"] == "price" else "gsq"
         for name, p in self._named():
@@ -175,7 +176,7 @@ class IVON(torch.optim.Optimizer):
             elif seed is None:
                 moment = torch.zeros_like(mean)
             else:
-                moment = self._sigma(name) * noise[name].to(mean.device) * grad
+                moment = self._sigma(name) * noise_like(seed, name, mean.shape).to(mean.device) * grad
             if self._count == 1:  # the first sample is its own mean (Welford from 0, exactly); the
                 self._avg[name] = {"grad": grad, second: moment}  # caller drops p.grad right after
                 continue
@@ -202,12 +203,15 @@ class IVON(torch.optim.Optimizer):
         hyper = {k: group[k] for k in ("lr", "step", "beta1", "weight_decay", "hess_init", "clip_radius",
                                        "rescale_lr", "debias")}
         for name, p in self._named():
-            st, avg = self.state[name], self._avg[name]
-            st["momentum"] = momentum_update(st["momentum"], avg["grad"], group["beta1"])
+            st, avg = self.state[name], self._avg.pop(name)
+            # new values copied into the state's own tensors: long-lived buffers never move, so the
+            # heap does not fragment around them (a 135M model's step peaked 0.9 GB higher otherwise)
+            st["momentum"].copy_(momentum_update(st["momentum"], avg["grad"], group["beta1"]))
             est = (price_hessian_estimate(avg["nxg"], st["hess"], group["ess"], group["weight_decay"])
                    if group["hess_approx"] == "price" else gradsq_hessian_estimate(avg["gsq"], group["ess"]))
-            st["hess"] = hessian_update(st["hess"], est, group["beta2"], group["weight_decay"])
-            st["mean"] = mean_step(st["mean"], st["momentum"], st["hess"], **hyper)
+            del avg  # this tensor's accumulators are spent
+            st["hess"].copy_(hessian_update(st["hess"], est, group["beta2"], group["weight_decay"]))
+            st["mean"].copy_(mean_step(st["mean"], st["momentum"], st["hess"], **hyper))
             p.copy_(st["mean"])
         self._reset_samples()
 

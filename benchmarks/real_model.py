@@ -6,8 +6,9 @@ Parts (`--parts`, default all, in this order):
 - `engine`: the hf engine's tokens/s against transformers' `generate` on the same batch (sampling,
   T = 1, the same prompts and limit, the same threads), and a 4-slot C3PO call against a 1-slot call
   of the same rows (time per generated token);
-- `memory`: peak memory per role (summary.json) and of the whole machine (used memory above the
-  idle baseline, sampled every 0.2 s) of short C3PO and GRPO runs;
+- `memory`: peak memory per role (summary.json: peak RSS of each process) and of the whole machine
+  (the sum of every process's PSS above its value at start, sampled every 0.5 s) of short C3PO and
+  GRPO runs;
 - `learn`: GRPO (`--config grpo_baseline`) on the word problems, held-out pass@1 before and after,
   greedy and at T = 1.
 
@@ -129,23 +130,31 @@ def engine_part(model: str, data: str, args) -> dict:
 
 
 class MachineMemory:
-    """Used memory of the machine (total − available) sampled every 0.2 s, above its value at start."""
+    """The memory of every process on the machine — the sum of their proportional set sizes (PSS:
+    a shared page counts once in all, split among the processes that map it; Ray's object store
+    included) — sampled every 0.5 s; `stop` gives its peak above the sum at start (MiB)."""
 
     def __init__(self) -> None:
         import psutil
 
-        self.psutil, self.base, self.peak, self.stop_flag = psutil, self._used(), 0, False
+        self.psutil, self.stop_flag = psutil, False
+        self.base = self.peak = self._pss()
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
 
-    def _used(self) -> int:
-        vm = self.psutil.virtual_memory()
-        return vm.total - vm.available
+    def _pss(self) -> int:
+        total = 0
+        for proc in self.psutil.process_iter():
+            try:
+                total += proc.memory_full_info().pss
+            except (self.psutil.NoSuchProcess, self.psutil.AccessDenied, self.psutil.ZombieProcess):
+                continue
+        return total
 
     def _loop(self) -> None:
         while not self.stop_flag:
-            self.peak = max(self.peak, self._used())
-            time.sleep(0.2)
+            self.peak = max(self.peak, self._pss())
+            time.sleep(0.5)
 
     def stop(self) -> float:
         self.stop_flag = True
@@ -169,7 +178,7 @@ def memory_part(model: str, data: str, args) -> dict:
               file=sys.stderr)
     rows = [[role, out["c3po"]["roles_mb"].get(role, 0.0), out["grpo"]["roles_mb"].get(role, 0.0)]
             for role in sorted(set(out["c3po"]["roles_mb"]) | set(out["grpo"]["roles_mb"]))]
-    rows.append(["machine (used above idle)", out["c3po"]["machine_mb"], out["grpo"]["machine_mb"]])
+    rows.append(["machine (PSS of all processes)", out["c3po"]["machine_mb"], out["grpo"]["machine_mb"]])
     _common.table("Peak memory (MiB), SmolLM2-135M", ["role", "C3PO", "GRPO"], rows)
     ratio = out["c3po"]["machine_mb"] / out["grpo"]["machine_mb"]
     print(f"machine: C3PO {out['c3po']['machine_mb'] / 1024:.1f} GiB (target <= 10), C3PO / GRPO {ratio:.2f} "

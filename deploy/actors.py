@@ -49,14 +49,14 @@ class SamplerActor:
     @ray.method(num_returns=2)
     def generate(self, requests: list, weights: list) -> tuple:
         """(GenerateReport, CompletionBatch) of `requests` (one version); `weights` is [a reference
-        to that version's (mean, σ, checksum)], fetched only when the sampler holds another version.
+        to that version's PublishedVersion], fetched only when the sampler holds another version.
         Two returns: the driver reads the report, the batch goes on by reference."""
         from threepo.services.batching import report_of
 
         version = requests[0].policy_version
         if self.sampler.version != version:
-            mean, sigma, checksum = ray.get(weights[0])
-            self.sampler.update(version, mean, sigma, checksum)
+            pv = ray.get(weights[0])
+            self.sampler.update(version, pv.mean, pv.sigma, pv.mean_checksum)
         batch = self.sampler.generate(requests)
         return report_of(batch), batch
 
@@ -139,7 +139,11 @@ class PosteriorActor:
         return self.server.current_version()
 
     def weights(self, version: int):
-        return self.server.weights(version)
+        """`version`'s weights as the learner published them (a restored run's samplers read these)."""
+        from threepo.services.messages import PublishedVersion
+
+        mean, sigma, checksum = self.server.weights(version)
+        return PublishedVersion(self.server.learner_step(version), "", mean, sigma, checksum)
 
     def acquire(self, version: int, n: int = 1) -> None:
         self.server.acquire(version, n)
@@ -401,6 +405,7 @@ def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str,
     kwargs = dict(temperature=cfg.sampler.temperature, max_new_tokens=cfg.sampler.max_new_tokens,
                   threads=max(1, int(rt.learner_cpus)), vp2o=cfg.vp2o, device=cfg.learner.device,
                   deepspeed_stage=cfg.learner.deepspeed_stage, shared_prefix=cfg.learner.shared_prefix,
+                  activation_mb=cfg.learner.activation_mb, gradient_checkpointing=cfg.learner.gradient_checkpointing,
                   beside=(cores or CorePlacement(cfg)).drift_process, checkpoint=checkpoint, rollout_log=log)
     if cfg.learner.grouped:  # R ranks behind the same methods (deploy/learner_group.py)
         from threepo.deploy.learner_group import start_learner_group

@@ -128,7 +128,8 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, resume_from: str | None = No
     if resume_from:
         adopt(s, call(s.roles.posterior.version_plan.remote(call(s.roles.posterior.current_version.remote()))))
     else:
-        adopt(s, call(s.roles.posterior.publish.remote(s.roles.learner.published.remote("start"))))
+        first = s.roles.learner.published.remote("start")
+        adopt(s, call(s.roles.posterior.publish.remote(first)), first)
     try:
         while ledger.step < rt.steps or s.learning:
             # 1. admit prompts: each chunk goes to a sampler and, by reference, straight on to a verifier
@@ -162,7 +163,7 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, resume_from: str | None = No
             elif kind == "learned":
                 on_learned(s, done, run_dir)
             elif kind == "published":
-                adopt(s, call(done))
+                adopt(s, call(done), payload)
             elif kind == "evaluated":
                 s.log.heldout(payload, *ray.get(done))
             else:
@@ -332,7 +333,7 @@ def learned(s: Loop, step: int, result, version, run_dir: str) -> None:
     if not s.learning:
         s.idle_since = time.monotonic()
     if result.publish:
-        s.inflight[s.roles.posterior.publish.remote(version)] = ("published", None)
+        s.inflight[s.roles.posterior.publish.remote(version)] = ("published", version)
     if evaluates_after(s, result.step):
         s.inflight[s.roles.evaluator.evaluate.remote(learner.published.remote("eval"))] = ("evaluated", result.step)
     row = {"step": result.step, "time_s": round(s.log.elapsed(), 3), "version": s.ledger.version,
@@ -361,11 +362,11 @@ def finish_checkpoint(s: Loop, run_dir: str) -> None:
     for ref in list(s.pending.waiting) if s.pending else ():
         on_saved(s, ref, run_dir)
         s.inflight.pop(ref, None)
-    for ref, (kind, step) in list(s.inflight.items()):
+    for ref, (kind, payload) in list(s.inflight.items()):
         if kind == "evaluated":  # the last evaluations belong in the record
-            s.log.heldout(step, *ray.get(ref))
+            s.log.heldout(payload, *ray.get(ref))
         elif kind == "published":  # and the last version in the summary
-            adopt(s, call(ref))
+            adopt(s, call(ref), payload)
     s.pending = checkpoints.begin(s.roles, s.ledger, run_dir, s.log.offset())
     for ref in list(s.pending.waiting):
         on_saved(s, ref, run_dir)
@@ -379,11 +380,14 @@ def stop_checkpoint(s: Loop, run_dir: str) -> None:
     finish_checkpoint(s, run_dir)
 
 
-def adopt(s: Loop, published) -> None:
+def adopt(s: Loop, published, weights=None) -> None:
     """A new version (VersionPlan from the posterior server): later admissions use its plan; the
-    samplers fetch its weights by reference when they first serve it."""
+    samplers fetch its weights by reference when they first serve it — the learner's own published
+    object (`weights`, whose arrays the posterior server keeps too: one copy), or after a restore the
+    server's."""
     s.ledger.publish(published)
-    s.weights[published.version] = s.roles.posterior.weights.remote(published.version)
+    s.weights[published.version] = weights if weights is not None else s.roles.posterior.weights.remote(
+        published.version)
     live = {r.policy_version for r in s.ledger.requests.values()} | {published.version}
     s.weights = {v: ref for v, ref in s.weights.items() if v in live}
 

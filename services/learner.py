@@ -40,7 +40,8 @@ from threepo.services.messages import CompletionBatch, GroupRows, PublishedVersi
 from threepo.services.modeling import load_model, trainable_named_parameters
 from threepo.services.beside import BesideProcess, Pending
 from threepo.services.learner_advantages import group_metrics, step_advantages, step_rewards
-from threepo.services.learner_memory import bytes_per_position, combine_micro, head_chunk, micro_batches
+from threepo.services.learner_memory import (bytes_per_position, combine_micro, head_chunk, micro_batches,
+                                             row_positions)
 from threepo.services.prefix_forward import plain_head, prompt_runs, row_logprobs, row_token_stats
 from threepo.services.proximal import StartLogprobs, drift_metrics, drift_sample
 from threepo.services.vp2o_hooks import VP2OConfig, VP2OHooks
@@ -83,7 +84,7 @@ class Learner:
         self.chunk = head_chunk(self.model.config, self.budget)
         self.ref_model = load_model(model_path).to(self.device).eval() if algo.kl_coef else None
         # the drift forwards at slot weights in a process beside the update (learner_config.has_drift_process)
-        self.beside = (BesideProcess(model_path, self.named, temperature) if beside and has_drift_process(
+        self.beside = (BesideProcess(model_path, self.named, temperature, self.chunk) if beside and has_drift_process(
             optim.name, self.ranks.world, deepspeed_stage, self.device.type) else None)
         # AdamW's model side through DeepSpeed at ZeRO `deepspeed_stage` (services/learner_deepspeed.py)
         self.engine = (DeepSpeedAdamW(self.model, optim, deepspeed_stage, self.ranks.rank, self.ranks.world)
@@ -292,9 +293,10 @@ class Learner:
 
     def _micro(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
         """`rows` in micro-batches (services/learner_memory.py); KL-Cov's and VP2O's terms are over all of them."""
-        width = batch.input_ids.shape[1]
+        run, width = self._run(batch, rows), batch.input_ids.shape[1]
         return [rows] if self.algo.loss == "kl_cov" or self.vp2o else micro_batches(
-            rows, self._run(batch, rows), width, self.budget, bytes_per_position(self.model, width, self.checkpointing))
+            rows, run, row_positions(batch.mask[rows], run), self.budget,
+            bytes_per_position(self.model, width, self.checkpointing))
 
     def _micro_backward(self, batch: TrainBatch, rows: torch.Tensor, advantages: torch.Tensor,
                         logp_prox: torch.Tensor | None, agg: dict | None) -> tuple[dict, torch.Tensor]:
@@ -359,7 +361,8 @@ class Learner:
             parts = self.ranks.gather_first([self.opt.mean_by_name(), self.opt.sigma_by_name()], self.named)
             if parts is None:
                 return None
-            mean, sigma = ({n: t.cpu().numpy().copy() for n, t in d.items()} for d in parts)
+            mean = {n: t.cpu().numpy().copy() for n, t in parts[0].items()}  # m is live state: a copy
+            sigma = {n: t.cpu().numpy() for n, t in parts[1].items()}  # σ is made afresh when h changes
         else:
             with self.whole_parameters():
                 mean = {n: p.detach().float().cpu().numpy().copy() for n, p in self.named}

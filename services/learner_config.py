@@ -262,12 +262,12 @@ class LearnerConfig:
     timeout_s: float = 300.0
     """Longest wait of one collective: a rank that stops answering fails the group after this, and
     the driver restores the learner from the latest checkpoint (a dead rank fails it at once)."""
-    activation_mb: int = 2048
+    activation_mb: int = 1024
     """Memory (MiB) one forward and backward may hold for activations, by an estimate from the
     model's config: each update's rows are split into micro-batches of whole prompt runs that fit
     (gradients accumulated, loss denominators those of the whole update, so the step is the same),
     and the output head runs on at most a quarter of it of logits at a time. 0 = never split. The
-    embedded model's steps fit in one micro-batch; a 135M model's take ~1,300 tokens each."""
+    embedded model's steps fit in one micro-batch; a 135M model's take ~600 positions each."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them
     (transformers' gradient checkpointing): ~1/15 of the activation memory per token for ~1/3 more

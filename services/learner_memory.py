@@ -25,12 +25,21 @@ def bytes_per_position(model, width: int, checkpointing: bool) -> int:
     return element_bytes * (layers * hidden + layer if checkpointing else layers * layer)
 
 
-def micro_batches(rows: torch.Tensor, run: int, width: int, budget_bytes: int, per_position: int) -> list[torch.Tensor]:
+def row_positions(mask: torch.Tensor, run: int) -> int:
+    """Positions one row of `mask` [R, T] (a TrainBatch's completion mask) costs a forward: prompt and
+    completion, or with runs of `run` > 1 rows sharing a prompt its completion and a share of the prompt."""
+    from threepo.services.prefix_forward import prompt_spans
+
+    prompt, completion = (int(x.max()) for x in prompt_spans(mask))
+    return completion + -(-prompt // run) if run > 1 else prompt + completion
+
+
+def micro_batches(rows: torch.Tensor, run: int, positions: int, budget_bytes: int, per_position: int) -> list[torch.Tensor]:
     """`rows` cut into consecutive micro-batches of whole runs of `run` rows (1 if rows do not come in
-    runs) of at most `budget_bytes` / (`width` · `per_position`) rows, at least one run each; one
+    runs) of at most `budget_bytes` / (`positions` · `per_position`) rows, at least one run each; one
     micro-batch when `budget_bytes` is 0 or all rows fit."""
     step = max(run, 1)
-    fit = budget_bytes // max(1, width * per_position) if budget_bytes else len(rows)
+    fit = budget_bytes // max(1, positions * per_position) if budget_bytes else len(rows)
     size = max(step, fit // step * step)
     return [rows[i:i + size] for i in range(0, len(rows), size)] if len(rows) > size else [rows]
 

@@ -14,11 +14,13 @@ NAMES = ("Tom", "Ana", "Lea", "Sam", "Mia", "Ben", "Zoe", "Max", "Ivy", "Leo", "
 THINGS = ("apples", "books", "pencils", "stickers", "marbles", "cookies", "cards", "shells", "coins", "toys")
 
 
-def _problem(rng: random.Random) -> tuple[str, str, int]:
-    """(question, worked steps, answer) of one problem of a random kind."""
+def _problem(rng: random.Random, difficulty: int) -> tuple[str, str, int]:
+    """(question, worked steps, answer) of one problem of a random kind: difficulty 1 = one addition
+    or subtraction of numbers up to 20; 2 = also products, equal shares and two steps, up to 40."""
     name, other, thing = rng.choice(NAMES), rng.choice(NAMES), rng.choice(THINGS)
-    a, b, c = rng.randint(2, 40), rng.randint(2, 30), rng.randint(2, 9)
-    kind = rng.randrange(6)
+    top = 20 if difficulty == 1 else 40
+    a, b, c = rng.randint(2, top), rng.randint(2, top * 3 // 4), rng.randint(2, 9)
+    kind = rng.randrange(2 if difficulty == 1 else 6)
     if kind == 0:
         return (f"{name} has {a} {thing}. {other} gives {name} {b} more. How many {thing} does {name} have now?",
                 f"{a}+{b}=<<{a}+{b}={a + b}>>{a + b}", a + b)
@@ -44,19 +46,21 @@ def _problem(rng: random.Random) -> tuple[str, str, int]:
             bought - a)
 
 
-def gsm8k_rows(n: int, seed: int = 0) -> list[dict]:
-    """`n` distinct problems in GSM8K's layout."""
-    rng, rows, seen = random.Random(f"word-problems/{seed}"), [], set()
+def gsm8k_rows(n: int, seed: int = 0, difficulty: int = 2) -> list[dict]:
+    """`n` distinct problems of `difficulty` (1 or 2) in GSM8K's layout."""
+    if difficulty not in (1, 2):
+        raise ValueError(f"difficulty: expected 1 or 2, got {difficulty!r}")
+    rng, rows, seen = random.Random(f"word-problems/{difficulty}/{seed}"), [], set()
     while len(rows) < n:
-        question, steps, answer = _problem(rng)
+        question, steps, answer = _problem(rng, difficulty)
         if question not in seen:
             seen.add(question)
             rows.append({"question": question, "answer": f"{steps}\n#### {answer}"})
     return rows
 
 
-def write_gsm8k(path: str, n: int, seed: int = 0) -> str:
-    """A JSONL file of `gsm8k_rows(n, seed)` at `path`."""
+def write_gsm8k(path: str, n: int, seed: int = 0, difficulty: int = 2) -> str:
+    """A JSONL file of `gsm8k_rows(n, seed, difficulty)` at `path`."""
     with open(path, "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in gsm8k_rows(n, seed))
+        f.writelines(json.dumps(row) + "\n" for row in gsm8k_rows(n, seed, difficulty))
     return path

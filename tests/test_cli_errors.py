@@ -158,3 +158,29 @@ def test_an_input_error_raised_inside_a_ray_actor_is_still_one_line(monkeypatch,
     assert cli.main(["train"]) == 2
     err = capsys.readouterr().err
     assert err == "threepo train: HTTP 401 from http://sandbox: refused; check verifier.auth_env\n"
+
+
+def test_real_model_mistakes_are_one_line(runs, tmp_path, tiny_dense_path):
+    import shutil
+
+    gsm = jsonl(tmp_path / "gsm.jsonl", json.dumps({"question": "How many?", "answer": "Two."}).encode())
+    one_line_error(threepo("train", f"data.path={gsm}", "data.format=gsm8k", f"runs_dir={runs}"),
+                   "data.path", "gsm.jsonl", "line 1", "'answer'", "#### <final answer>")
+    one_line_error(threepo("eval", f"data.path={gsm}", "data.format=math", f"runs_dir={runs}"),
+                   "unknown columns ['question'] for data.format=math")
+    env = {"HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", "threepo.deploy.cli", "eval", "model.path=SomeOrg/no-such-model",
+                             f"runs_dir={runs}"], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, **env, "HF_HOME": str(tmp_path / "hf")})
+    one_line_error(result, "model.path='SomeOrg/no-such-model'", "not a local directory", "HF_HUB_OFFLINE=1")
+    model = tmp_path / "no-system"  # a model whose chat template refuses a system message
+    shutil.copytree(tiny_dense_path, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception("
+                               "'System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    one_line_error(threepo("eval", f"model.path={model}", "prompt.system=Be brief.", f"runs_dir={runs}"),
+                   "prompt.template='auto'", "cannot be applied with a system message", "System role not supported")
+    one_line_error(threepo("eval", "prompt.template=/no/such.jinja", f"runs_dir={runs}"),
+                   "prompt.template='/no/such.jinja'", "no such file")
+    assert not list(runs.iterdir())

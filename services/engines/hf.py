@@ -70,7 +70,7 @@ class HFEngine:
                 if p.data_ptr() != self._mean[n].data_ptr():
                     p.copy_(received[n])
         self.version, self.mean_checksum = version, checksum
-        self._sigma = None if sigma is None else {n: _tensor(sigma[n]).clone() for n in self._params}
+        self._sigma = None if sigma is None else {n: _tensor(sigma[n]) for n in self._params}  # read only
         self._mean_fingerprint = param_noise.value_fingerprint(self.model.parameters())
         if self.lean:
             self.bank.clear()
@@ -195,9 +195,10 @@ class HFEngine:
 
 
 def _tensor(array) -> torch.Tensor:
-    """A fp32 tensor over `array` (no copy when it already is one; Ray hands read-only arrays)."""
+    """A fp32 tensor over `array`, no copy when it already is fp32 (Ray hands read-only views of the
+    published object: the engine only reads them; m is copied into the served weights, σ is kept)."""
     import warnings
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only: only read here, copied where kept
+        warnings.simplefilter("ignore", UserWarning)  # read-only arrays: never written through
         return torch.from_numpy(np.asarray(array, dtype=np.float32))

@@ -75,7 +75,7 @@ class SlotBank:
 
     def holds(self, row: int) -> bool:
         """Does `row` still hold exactly the values written into it?"""
-        return param_noise.value_fingerprint([self.rows[row]]) == self._checks[row][0]
+        return _fingerprint(self.rows[row]) == self._checks[row][0]
 
     def forget(self, key: Key) -> None:
         """Drop slot `key` (a failed check): it is built afresh when asked for again."""
@@ -97,7 +97,13 @@ class SlotBank:
     def _build(self, key: Key, row: int, build) -> tuple[tuple[int, int], bool, float]:
         views = self.layout.views(self.rows[row])
         ratio, fed = build(key, views)
-        return fed, param_noise.value_fingerprint([self.rows[row]]) == fed, ratio
+        return fed, _fingerprint(self.rows[row]) == fed, ratio
+
+
+def _fingerprint(row: torch.Tensor) -> tuple[int, int]:
+    """`value_fingerprint` of a flat weight set in pieces of 2^22 values (the same value: it is a sum;
+    its int32 working copies stay 16 MB instead of twice the set's size)."""
+    return param_noise.value_fingerprint(row.split(1 << 22))
 
 
 def write_slot(views: Mapping[str, torch.Tensor], mean: Mapping[str, torch.Tensor],

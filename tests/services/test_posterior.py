@@ -149,7 +149,7 @@ def test_state_round_trip_restores_versions_plans_and_refcounts():
 def test_checkpoint_files_round_trip_with_references_dropped(tmp_path):
     from threepo.services.posterior import load_posterior, save_posterior
 
-    server = _server(PosteriorConfig(kind="c3po", group_size=8, n_slots=4, base_seed=3), upto=2)
+    server = _server(PosteriorConfig(kind="c3po", group_size=8, n_slots=4, base_seed=3, keep_versions=2), upto=2)
     server.acquire(2, n=5)
     save_posterior(server, str(tmp_path))
     restored = load_posterior(str(tmp_path))

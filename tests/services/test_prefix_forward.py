@@ -124,7 +124,7 @@ def test_token_stats_from_hidden_states_in_chunks_equal_the_full_forwards(tiny_d
 
 
 def test_micro_batches_are_whole_prompt_runs_within_the_budget():
-    from threepo.services.learner_memory import micro_batches
+    from threepo.services.learner_memory import micro_batches, row_positions
 
     rows = torch.arange(32)
     assert [len(m) for m in micro_batches(rows, 8, 10, 0, 100)] == [32]  # no budget: one
@@ -132,3 +132,6 @@ def test_micro_batches_are_whole_prompt_runs_within_the_budget():
     assert [len(m) for m in parts] == [16, 16] and torch.equal(torch.cat(parts), rows)
     assert [len(m) for m in micro_batches(rows, 8, 10, 1, 100)] == [8] * 4  # at least one run each
     assert [len(m) for m in micro_batches(torch.arange(5), 0, 10, 3 * 1000, 100)] == [3, 2]
+    mask = torch.zeros(4, 12)
+    mask[:, 5:9] = 1  # prompts of 6 tokens, completions of 4
+    assert row_positions(mask, 4) == 4 + 2 and row_positions(mask, 0) == 10
