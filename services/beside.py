@@ -17,7 +17,7 @@ step, and so does a process that dies. The process exits when its stdin closes (
 it, or died).
 
 Protocol, pickle frames on the process's stdin and stdout:
-- init: {model_path, names, shapes, fd, temperature, chunk}; the process answers ("ready", None);
+- init: {model_path, names, shapes, fd, temperature, chunk, bf16}; the process answers ("ready", None);
 - then per step a list of ((seed, scale), rows, input_ids, attn, mask, targets, run), answered
   ("ok", [((seed, scale), rows, logp)]) or ("error", traceback).
 """
@@ -58,7 +58,7 @@ class BesideProcess:
     parameters, whose m and σ it is sent)."""
 
     def __init__(self, model_path: str, named: list[tuple[str, torch.Tensor]], temperature: float,
-                 chunk: int = 0) -> None:
+                 chunk: int = 0, bf16: bool = False) -> None:
         self.names, shapes = [n for n, _ in named], [tuple(p.shape) for _, p in named]
         total = sum(p.numel() for _, p in named)
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -78,7 +78,7 @@ class BesideProcess:
         self._stop = weakref.finalize(self, _stop, self.proc)
         self.ready, self.unanswered = False, 0
         self._send({"model_path": model_path, "names": self.names, "shapes": shapes, "fd": fd,
-                    "temperature": temperature, "chunk": chunk})
+                    "temperature": temperature, "chunk": chunk, "bf16": bf16})
 
     def is_ready(self, wait_s: float = 0.0) -> bool:
         """Whether the process has loaded its model, waiting at most `wait_s` for it."""
@@ -186,7 +186,7 @@ def main() -> None:
             return
         try:
             done = []
-            with torch.no_grad():
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=init["bf16"], cache_enabled=False):  # as the learner
                 for (seed, scale), rows, input_ids, attn, mask, targets, run in points:
                     load_perturbed(named, means, sigmas, seed, scale)
                     logp = row_logprobs(model, input_ids, attn, mask, targets, run, init["temperature"], init["chunk"])

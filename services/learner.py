@@ -40,8 +40,8 @@ from threepo.services.messages import CompletionBatch, GroupRows, PublishedVersi
 from threepo.services.modeling import load_model, trainable_named_parameters
 from threepo.services.beside import BesideProcess, Pending
 from threepo.services.learner_advantages import group_metrics, step_advantages, step_rewards
-from threepo.services.learner_memory import (bytes_per_position, combine_micro, head_chunk, micro_batches,
-                                             row_positions)
+from threepo.services.learner_memory import (bytes_per_position, denominators, head_chunk, micro_batches,
+                                             over_micro_batches, row_positions)
 from threepo.services.prefix_forward import plain_head, prompt_runs, row_logprobs, row_token_stats
 from threepo.services.proximal import StartLogprobs, drift_metrics, drift_sample
 from threepo.services.vp2o_hooks import VP2OConfig, VP2OHooks
@@ -68,7 +68,7 @@ class Learner:
                  temperature: float, max_new_tokens: int, threads: int = 1,
                  vp2o: VP2OConfig | None = None, ranks: Ranks | None = None, device: str = "cpu",
                  deepspeed_stage: int = -1, shared_prefix: bool = True, beside: bool = False,
-                 activation_mb: int = 0, gradient_checkpointing: bool = False) -> None:
+                 activation_mb: int = 0, gradient_checkpointing: bool = False, bf16: bool = False) -> None:
         torch.set_num_threads(threads)
         # a confident policy's softmax underflows into denormals, which made CPU steps ~1.8x slower
         torch.set_flush_denormal(True)
@@ -81,10 +81,11 @@ class Learner:
         plain_head(self.model)  # probed now, before any hook watches a forward
         self.named = trainable_named_parameters(self.model)
         self.budget, self.checkpointing = activation_mb << 20, gradient_checkpointing  # learner_memory.py
+        self.bf16 = bf16  # mixed precision: the steps' matmuls in bfloat16, everything kept in fp32
         self.chunk = head_chunk(self.model.config, self.budget)
         self.ref_model = load_model(model_path).to(self.device).eval() if algo.kl_coef else None
         # the drift forwards at slot weights in a process beside the update (learner_config.has_drift_process)
-        self.beside = (BesideProcess(model_path, self.named, temperature, self.chunk) if beside and has_drift_process(
+        self.beside = (BesideProcess(model_path, self.named, temperature, self.chunk, bf16) if beside and has_drift_process(
             optim.name, self.ranks.world, deepspeed_stage, self.device.type) else None)
         # AdamW's model side through DeepSpeed at ZeRO `deepspeed_stage` (services/learner_deepspeed.py)
         self.engine = (DeepSpeedAdamW(self.model, optim, deepspeed_stage, self.ranks.rank, self.ranks.world)
@@ -107,6 +108,12 @@ class Learner:
     def step(self, groups: Sequence[GroupRows], batches: Sequence[CompletionBatch],
              scores: Sequence[ScoreBatch]) -> StepResult:
         """One step on `groups`, whose rows live in the step's `batches` (scored by `scores`)."""
+        # no cast cache: IVON writes each posterior sample into the same parameters, in place
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16, cache_enabled=False):
+            return self._step(groups, batches, scores)
+
+    def _step(self, groups: Sequence[GroupRows], batches: Sequence[CompletionBatch],
+              scores: Sequence[ScoreBatch]) -> StepResult:
         started = time.perf_counter()
         batch = collate(groups, batches, scores).to(self.device)
         rewards = step_rewards(batch, self.algo)
@@ -262,10 +269,8 @@ class Learner:
     def _backward(self, batch: TrainBatch, rows: torch.Tensor, advantages: torch.Tensor,
                   logp_prox: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
         """Loss on `rows` at the current weights against π_prox (None: this forward is π_prox);
-        backward, in micro-batches of whole prompt runs when the rows' activations would exceed
-        `activation_mb` (denominators those of all the rows); return detached diagnostics and the
-        detached token log-probs. With no rows (another rank's share) it only takes part in the
-        denominators' collective."""
+        backward, in micro-batches over `activation_mb` (the denominators all the rows'); detached
+        diagnostics and token log-probs. No rows (another rank's share): only the denominators' collective."""
         if not len(rows):
             self.ranks.denominators(batch.mask[rows])
             return {}, batch.logp_behav[rows]
@@ -279,17 +284,9 @@ class Learner:
                     logp_prox = torch.cat([self._logprobs(batch, part) for part in parts])
             mask = off_policy.correction_weights("seq_mis", logp_prox, batch.logp_behav[rows], mask,
                                                  cap=self.algo.is_cap)[1]
-        agg = self.ranks.denominators(mask) or {"num_tokens": float(mask.sum()),
-                                                "num_seqs": float((mask.sum(1) > 0).sum())}
-        diag, logps, at = [], [], 0
-        for part in parts:
-            here = slice(at, at + len(part))
-            at += len(part)
-            metrics, logp = self._micro_backward(batch, part, advantages[here],
-                                                 None if logp_prox is None else logp_prox[here], agg)
-            diag.append((float(batch.mask[part].sum()), len(part), metrics))
-            logps.append(logp)
-        return combine_micro(diag), torch.cat(logps)
+        agg = self.ranks.denominators(mask) or denominators(mask)
+        return over_micro_batches(parts, batch.mask, advantages, logp_prox,
+                                  lambda part, adv, prox: self._micro_backward(batch, part, adv, prox, agg))
 
     def _micro(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
         """`rows` in micro-batches (services/learner_memory.py); KL-Cov's and VP2O's terms are over all of them."""

@@ -63,3 +63,23 @@ def combine_micro(diag: list[tuple[float, int, dict]]) -> dict[str, float]:
             return sum(r * m[key] for _, r, m in diag) / rows
         return sum(t * m[key] for t, _, m in diag) / tokens
     return {k: combined(k) for k in diag[0][2]}
+
+
+def denominators(mask: torch.Tensor) -> dict[str, float]:
+    """The loss denominators of `mask` [R, T] (`losses.aggregate_loss`: tokens, sequences with a token)."""
+    return {"num_tokens": float(mask.sum()), "num_seqs": float((mask.sum(1) > 0).sum())}
+
+
+def over_micro_batches(parts: list[torch.Tensor], mask: torch.Tensor, advantages: torch.Tensor,
+                       logp_prox: torch.Tensor | None, backward) -> tuple[dict, torch.Tensor]:
+    """`backward(rows, advantages, π_prox log-probs)` on each micro-batch of rows `parts` (consecutive:
+    `advantages` and `logp_prox` are the concatenated rows'); their combined diagnostics and token
+    log-probs, in row order. `mask`: the batch's completion mask."""
+    diag, logps, at = [], [], 0
+    for part in parts:
+        here = slice(at, at + len(part))
+        at += len(part)
+        metrics, logp = backward(part, advantages[here], None if logp_prox is None else logp_prox[here])
+        diag.append((float(mask[part].sum()), len(part), metrics))
+        logps.append(logp)
+    return combine_micro(diag), torch.cat(logps)

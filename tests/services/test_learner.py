@@ -418,3 +418,20 @@ def test_a_step_in_micro_batches_equals_the_whole_update(sampler, tiny_dense_pat
     for (name, p), (_, q) in zip(whole.named, split.named):
         torch.testing.assert_close(q, p, atol=1e-6, rtol=1e-5)
     assert any(not torch.equal(p, load_model(tiny_dense_path).state_dict()[n]) for n, p in whole.named)
+
+
+def test_a_bf16_mixed_precision_step_keeps_fp32_state_and_agrees_with_fp32(sampler, tiny_dense_path):
+    algo = AlgoConfig(exploration="c3po", n_slots=4, group_size=8)
+    fp32, mixed = (Learner(tiny_dense_path, algo, OptimConfig(), SyncConfig(max_staleness=2), temperature=1.0,
+                           max_new_tokens=10, bf16=flag) for flag in (False, True))
+    groups = _groups(sampler, fp32, "c3po", 4, 8)
+    a, b = _step(fp32, groups), _step(mixed, groups)
+    # the sequence importance weights multiply ~10 token ratios, each off by bf16's rounding: the loss
+    # moves, the update's direction does not
+    assert b.metrics["kl_k3"] != a.metrics["kl_k3"]  # the matmuls really ran in bfloat16
+    moved = [(_means(fp32)[n] - m0, _means(mixed)[n] - m0) for n, m0 in
+             ((n, p.detach()) for n, p in load_model(tiny_dense_path).named_parameters())]
+    assert all(m.dtype == torch.float32 for m in _means(mixed).values())
+    cos = torch.nn.functional.cosine_similarity(torch.cat([x.flatten() for x, _ in moved]),
+                                                torch.cat([y.flatten() for _, y in moved]), dim=0)
+    assert cos > 0.99  # the same update, to bf16's precision (0.56 when autocast reused stale weight casts)
