@@ -247,7 +247,9 @@ def main() -> None:
     results = {"model": model, "data": data, "args": vars(args)}
     for part in args.parts:
         results[part] = {"engine": engine_part, "memory": memory_part, "learn": learn_part}[part](model, data, args)
-        with open(_common.results_path("real_model", args.quick), "w") as f:
+        name = "real_model_" + "_".join(args.parts) + ("_bf16" if "engine" in args.parts and
+                                                       args.engine_dtype == "bfloat16" else "")
+        with open(_common.results_path(name, args.quick), "w") as f:
             json.dump(results, f, indent=2)
 
 

@@ -96,9 +96,12 @@ def test_completions_of_very_different_lengths_run_in_two_passes_with_the_plain_
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("run,chunk", [(0, 0), (4, 0), (4, 5), (0, 7)])
-def test_token_stats_from_hidden_states_in_chunks_equal_the_full_forwards(tiny_dense_path, run, chunk):
+@pytest.mark.parametrize("run,chunk,plain", [(0, 0, True), (4, 0, True), (4, 5, True), (0, 7, True),
+                                             (4, 5, False), (0, 0, False)])
+def test_token_stats_from_hidden_states_in_chunks_equal_the_full_forwards(tiny_dense_path, run, chunk, plain):
     model = load_model(tiny_dense_path).train()
+    assert prefix_forward.plain_head(model)  # a Qwen2's logits are its head on its body's output
+    prefix_forward._PLAIN[model] = plain  # False: as for a model whose head does more (the full logits path)
     ids, attn, mask = _batch()
     targets = ids[:, 1:]
 
