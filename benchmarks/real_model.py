@@ -96,7 +96,7 @@ def engine_part(model: str, data: str, args) -> dict:
             tokens, seconds = fn(1000 * (r + 1))
             rates[name].append(tokens / seconds)
             print(f"[engine] {name}: {tokens} tokens in {seconds:.1f} s", file=sys.stderr)
-    mean = {n: p.detach().numpy().copy() for n, p in engine._params.items()}
+    mean = {n: p.detach().float().numpy().copy() for n, p in engine._params.items()}
     sigma = {n: np.full(a.shape, 1e-3, np.float32) for n, a in mean.items()}
     engine.load_version(1, mean, sigma, weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items()))
     prompts = [encoder.encode(it.prompt) for it in items[:args.prompts]]

@@ -41,7 +41,7 @@ from threepo.services.modeling import load_model, trainable_named_parameters
 from threepo.services.beside import BesideProcess, Pending
 from threepo.services.learner_advantages import group_metrics, step_advantages, step_rewards
 from threepo.services.learner_memory import (bytes_per_position, denominators, head_chunk, micro_batches,
-                                             over_micro_batches, row_positions)
+                                             over_micro_batches)
 from threepo.services.prefix_forward import plain_head, prompt_runs, row_logprobs, row_token_stats
 from threepo.services.proximal import StartLogprobs, drift_metrics, drift_sample
 from threepo.services.vp2o_hooks import VP2OConfig, VP2OHooks
@@ -290,10 +290,9 @@ class Learner:
 
     def _micro(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
         """`rows` in micro-batches (services/learner_memory.py); KL-Cov's and VP2O's terms are over all of them."""
-        run, width = self._run(batch, rows), batch.input_ids.shape[1]
+        per = bytes_per_position(self.model, batch.input_ids.shape[1], self.checkpointing)
         return [rows] if self.algo.loss == "kl_cov" or self.vp2o else micro_batches(
-            rows, run, row_positions(batch.mask[rows], run), self.budget,
-            bytes_per_position(self.model, width, self.checkpointing))
+            rows, self._run(batch, rows), batch.mask[rows], self.budget, per)
 
     def _micro_backward(self, batch: TrainBatch, rows: torch.Tensor, advantages: torch.Tensor,
                         logp_prox: torch.Tensor | None, agg: dict | None) -> tuple[dict, torch.Tensor]:

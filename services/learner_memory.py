@@ -5,8 +5,8 @@ backward pass — per decoder layer about ten hidden-width vectors (norms, q/k/v
 residuals), five MLP-width ones (gate, up, their product and activation) and one attention row over
 the sequence; with gradient checkpointing one hidden-width vector per layer plus one layer's worth —
 sets how many rows one micro-batch takes: rows are split into consecutive micro-batches of whole
-prompt runs (the shared-prefix forward computes each prompt once per run) whose padded positions
-fit the budget. The output head takes a quarter of the budget for logits at a time
+prompt runs (the shared-prefix forward computes each prompt once per run), or of equal sub-runs where
+one run does not fit, whose positions fit the budget. The output head takes a quarter of the budget for logits at a time
 (`prefix_forward.row_token_stats`). Estimates, not measurements: `benchmarks/real_model.py` reports
 the learner's measured peak.
 """
@@ -25,22 +25,28 @@ def bytes_per_position(model, width: int, checkpointing: bool) -> int:
     return element_bytes * (layers * hidden + layer if checkpointing else layers * layer)
 
 
-def row_positions(mask: torch.Tensor, run: int) -> int:
-    """Positions one row of `mask` [R, T] (a TrainBatch's completion mask) costs a forward: prompt and
-    completion, or with runs of `run` > 1 rows sharing a prompt its completion and a share of the prompt."""
+def micro_batches(rows: torch.Tensor, run: int, mask: torch.Tensor, budget_bytes: int,
+                  per_position: int) -> list[torch.Tensor]:
+    """`rows` (in runs of `run` consecutive rows sharing a prompt; 0 or 1: no runs) cut into
+    consecutive micro-batches whose positions fit `budget_bytes` at `per_position` bytes each: whole
+    runs, or where one run does not fit, equal sub-runs of it (each still computes its prompt once,
+    a run's prompt then once per sub-run), at least one row each; one micro-batch when
+    `budget_bytes` is 0 or all rows fit. `mask`: the rows' completion mask (prompt and completion
+    lengths: a row of a sub-run of d costs its completion and 1/d of its prompt)."""
     from threepo.services.prefix_forward import prompt_spans
 
+    if not budget_bytes:
+        return [rows]
     prompt, completion = (int(x.max()) for x in prompt_spans(mask))
-    return completion + -(-prompt // run) if run > 1 else prompt + completion
 
+    def fit(d: int) -> int:  # rows of sub-runs of d that fit the budget
+        positions = completion + (-(-prompt // d) if d > 1 else prompt)
+        return budget_bytes // max(1, positions * per_position)
 
-def micro_batches(rows: torch.Tensor, run: int, positions: int, budget_bytes: int, per_position: int) -> list[torch.Tensor]:
-    """`rows` cut into consecutive micro-batches of whole runs of `run` rows (1 if rows do not come in
-    runs) of at most `budget_bytes` / (`positions` · `per_position`) rows, at least one run each; one
-    micro-batch when `budget_bytes` is 0 or all rows fit."""
     step = max(run, 1)
-    fit = budget_bytes // max(1, positions * per_position) if budget_bytes else len(rows)
-    size = max(step, fit // step * step)
+    if step > 1 and fit(step) < step:
+        step = next((d for d in range(step - 1, 0, -1) if run % d == 0 and fit(d) >= d), 1)
+    size = max(step, fit(step) // step * step)
     return [rows[i:i + size] for i in range(0, len(rows), size)] if len(rows) > size else [rows]
 
 

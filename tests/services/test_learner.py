@@ -397,10 +397,14 @@ def test_an_error_in_the_process_beside_the_update_fails_the_step_and_the_next_o
         _step(learner, groups)
 
 
-@pytest.mark.parametrize("optim,is_correction,entropy", [("ivon", "seq_tis", 0.0), ("adamw", "seq_mis", 0.01)])
-def test_a_step_in_micro_batches_equals_the_whole_update(sampler, tiny_dense_path, optim, is_correction, entropy):
-    # activation_mb=1 holds ~3 rows of the tiny model: every update runs in micro-batches of whole
-    # prompt runs, with the whole update's denominators (seq_mis: its mask from π_prox, computed first)
+@pytest.mark.parametrize("optim,is_correction,entropy,budget", [("ivon", "seq_tis", 0.0, None),
+                                                                  ("adamw", "seq_mis", 0.01, None),
+                                                                  ("ivon", "seq_mis", 0.0, 150_000)])
+def test_a_step_in_micro_batches_equals_the_whole_update(sampler, tiny_dense_path, optim, is_correction, entropy,
+                                                         budget):
+    # activation_mb=1 holds one group of 8 rows of the tiny model: every update runs in micro-batches of
+    # whole prompt runs (with `budget` bytes, of sub-runs of a group), with the whole update's
+    # denominators (seq_mis: its mask from π_prox, computed first)
     exploration = "c3po" if optim == "ivon" else "grpo"
     algo = AlgoConfig(exploration=exploration, n_slots=4 if optim == "ivon" else 1, group_size=8,
                       is_correction=is_correction, entropy_coef=entropy)
@@ -410,7 +414,10 @@ def test_a_step_in_micro_batches_equals_the_whole_update(sampler, tiny_dense_pat
     groups = _groups(sampler, whole, exploration, algo.n_slots, 8)
     batch = collate(*batches_from_groups(groups))
     rows = torch.arange(len(batch.statuses))
-    assert len(split._micro(batch, rows)) > 2 and len(whole._micro(batch, rows)) == 1
+    split.budget = budget or split.budget
+    parts = split._micro(batch, rows)
+    assert len(parts) > 2 and len(whole._micro(batch, rows)) == 1
+    assert all(len(p) < 8 for p in parts) if budget else all(len(p) % 8 == 0 for p in parts)
     for _ in range(2):
         a, b = _step(whole, groups), _step(split, groups)
         for key in ("loss", "clip_frac", "is_weight_mean", "kl_k3"):

@@ -126,15 +126,15 @@ def test_token_stats_from_hidden_states_in_chunks_equal_the_full_forwards(tiny_d
         torch.testing.assert_close(g_got[name], g_want[name], atol=1e-4, rtol=1e-4)
 
 
-def test_micro_batches_are_whole_prompt_runs_within_the_budget():
-    from threepo.services.learner_memory import micro_batches, row_positions
+def test_micro_batches_are_whole_prompt_runs_or_equal_sub_runs_within_the_budget():
+    from threepo.services.learner_memory import micro_batches
 
-    rows = torch.arange(32)
-    assert [len(m) for m in micro_batches(rows, 8, 10, 0, 100)] == [32]  # no budget: one
-    parts = micro_batches(rows, 8, 10, 10 * 100 * 17, 100)  # 17 rows fit: two runs of 8 per part
+    rows, mask = torch.arange(32), torch.zeros(32, 14)
+    mask[:, 7:11] = 1  # prompts of 8 tokens, completions of 4: a row of a run of 8 costs 4 + 1 positions
+    assert [len(m) for m in micro_batches(rows, 8, mask, 0, 100)] == [32]  # no budget: one
+    parts = micro_batches(rows, 8, mask, 5 * 100 * 17, 100)  # 17 rows fit: two runs of 8 per part
     assert [len(m) for m in parts] == [16, 16] and torch.equal(torch.cat(parts), rows)
-    assert [len(m) for m in micro_batches(rows, 8, 10, 1, 100)] == [8] * 4  # at least one run each
-    assert [len(m) for m in micro_batches(torch.arange(5), 0, 10, 3 * 1000, 100)] == [3, 2]
-    mask = torch.zeros(4, 12)
-    mask[:, 5:9] = 1  # prompts of 6 tokens, completions of 4
-    assert row_positions(mask, 4) == 4 + 2 and row_positions(mask, 0) == 10
+    # 5 rows of a whole run fit, no run does: sub-runs of 4 (a row then costs 4 + 2 positions)
+    assert [len(m) for m in micro_batches(rows, 8, mask, 5 * 100 * 5, 100)] == [4] * 8
+    assert [len(m) for m in micro_batches(rows, 8, mask, 1, 100)] == [1] * 32  # at least one row
+    assert [len(m) for m in micro_batches(torch.arange(5), 0, mask[:5], 12 * 100 * 3, 100)] == [3, 2]
