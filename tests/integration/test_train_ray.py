@@ -215,6 +215,8 @@ def _kill_session(sid: int) -> None:
 
 def test_killing_the_driver_at_a_random_point_and_resuming_keeps_records_exact(tmp_path, tiny_dense_path):
     # the real CLI in a subprocess with its own local Ray; SIGKILL after a random number of steps
+    from threepo.deploy import checkpoints
+
     args = [sys.executable, "-m", "threepo.deploy.cli", "train", f"model.path={tiny_dense_path}",
             f"runs_dir={tmp_path}", *SMALL, "runtime.steps=8", "runtime.checkpoint_every=2", "eval.num_items=4"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -224,7 +226,9 @@ def test_killing_the_driver_at_a_random_point_and_resuming_keeps_records_exact(t
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         runs = [d for d in tmp_path.iterdir() if d.name.startswith("threepo-train-")]
-        if runs and os.path.exists(runs[0] / "metrics.jsonl") and len(_metrics(runs[0])) >= kill_after:
+        # a random step past the first committed checkpoint (saves commit asynchronously, after the step's row)
+        if (runs and os.path.exists(runs[0] / "metrics.jsonl") and len(_metrics(runs[0])) >= kill_after
+                and checkpoints.latest_or_none(str(runs[0])) is not None):
             break
         time.sleep(0.05)
     _kill_session(victim.pid)  # the driver and its local Ray, mid-run
