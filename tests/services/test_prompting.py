@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from threepo.services.errors import UserInputError
-from threepo.services.prompting import BOXED_INSTRUCTION, PromptConfig, PromptEncoder, generation_eos
+from threepo.services.prompting import BOXED_INSTRUCTION, CODE_INSTRUCTION, PromptConfig, PromptEncoder, generation_eos
 from threepo.services.tokenizer import build_tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -48,6 +48,7 @@ def test_the_chat_template_is_applied_as_transformers_applies_it_with_the_instru
     assert list(enc.encode("What is 2+3?")) == want
     assert enc.text("What is 2+3?").endswith("<|im_start|>assistant\n")
     assert "boxed" not in enc.text("reach 10 with 2 5", verifier="countdown")  # auto: math items only
+    assert enc.messages("def f(x):", verifier="code_tests")[-1]["content"] == f"def f(x):\n\n{CODE_INSTRUCTION}"
     assert "boxed" not in PromptEncoder(tok, PromptConfig(instruction="")).text("x")
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     assert enc.stop_ids == (tok.eos_token_id, im_end)  # the template's end of turn stops a completion

@@ -179,5 +179,5 @@ def test_parquet_loads_and_errors_name_row(tmp_path):
     with pytest.raises(ValueError, match="row 0: unknown columns"):
         load_dataset(extra)
     assert len(load_dataset(extra, ignore_columns=("level",))) == 1
-    with pytest.raises(ValueError, match="expected a .jsonl or .parquet"):
+    with pytest.raises(ValueError, match="expected a .jsonl, .jsonl.gz or .parquet"):
         load_dataset(tmp_path / "data.csv")

@@ -1,0 +1,135 @@
+"""The code_tests harness: `ok` only when every test provably ran, for every early-exit and tamper
+route named in services/verifiers/harness.py; the same statuses and details locally and through the
+sandbox service; HumanEval-shaped completions (body only, fenced, several blocks)."""
+
+import asyncio
+import shutil
+
+import pytest
+from aiohttp import web
+
+from threepo.services.messages import TaskItem, VerifyRequest, VerifyStatus
+from threepo.services.verifiers.code_verifiers import code_output, code_tests, extract_program, program_of
+from threepo.services.verifiers.harness import harness_program, read_report
+from threepo.services.verifiers.remote import RemoteSandboxConfig, RemoteSandboxVerifier
+from threepo.services.verifiers.sandbox import SandboxConfig
+from threepo.services.verifiers.sandbox_server import SandboxServerConfig, make_app
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
+                                reason="bubblewrap missing: apt-get install -y bubblewrap")
+
+PREFIX = 'def add(a, b):\n    """The sum of a and b."""\n'
+ITEM = TaskItem(uid="HumanEval/x", prompt=PREFIX, answer="", verifier="code_tests", code_prefix=PREFIX,
+                entry_point="add", tests=("def check(candidate):\n    assert candidate(2, 3) == 5\n"
+                                          "    assert candidate(-1, 1) == 0\n", "check(add)"))
+RIGHT = "def add(a, b):\n    return a + b\n"
+WRONG = "def add(a, b):\n    return a - b\n"
+
+
+def fenced(code: str) -> str:
+    return f"Here it is:\n```python\n{code}```\n"
+
+
+# (name, completion, expected status): none may be ok
+TAMPERS = [
+    ("sys.exit before the tests", fenced(WRONG + "import sys\nsys.exit(0)\n"), VerifyStatus.RUNTIME_ERROR),
+    ("raise SystemExit", fenced(WRONG + "raise SystemExit(0)\n"), VerifyStatus.RUNTIME_ERROR),
+    ("os._exit before the tests", fenced(WRONG + "import os\nos._exit(0)\n"), VerifyStatus.RUNTIME_ERROR),
+    ("os._exit inside the entry point", fenced("def add(a, b):\n    import os\n    os._exit(0)\n"),
+     VerifyStatus.RUNTIME_ERROR),
+    ("sys.exit inside the entry point", fenced("def add(a, b):\n    import sys\n    sys.exit(0)\n"),
+     VerifyStatus.RUNTIME_ERROR),
+    ("KeyboardInterrupt inside the entry point", fenced("def add(a, b):\n    raise KeyboardInterrupt\n"),
+     VerifyStatus.RUNTIME_ERROR),
+    ("killing its own process", fenced(WRONG + "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"),
+     VerifyStatus.RUNTIME_ERROR),
+    ("an atexit hook", fenced(WRONG + "import atexit, os\natexit.register(lambda: os._exit(0))\n"),
+     VerifyStatus.WRONG),
+    ("a replaced excepthook", fenced(WRONG + "import sys\nsys.excepthook = lambda *a: None\n"), VerifyStatus.WRONG),
+    ("stdout replaced and fd 1 closed", fenced(WRONG + "import io, os, sys\nsys.stdout = io.StringIO()\nos.close(1)\n"),
+     VerifyStatus.WRONG),
+    ("a printed fake report", fenced(WRONG + "import os\nfor t in ('0' * 32, 'f' * 32, ''):\n"
+                                     "    print(t, 'passed 2/2 all')\nos._exit(0)\n"), VerifyStatus.RUNTIME_ERROR),
+    ("its own check", fenced("def check(candidate):\n    pass\n" + WRONG), VerifyStatus.WRONG),
+    ("replaced builtins", fenced(WRONG + "import builtins\nbuiltins.AssertionError = KeyError\n"
+                                 "builtins.exec = lambda *a, **k: None\nbuiltins.len = lambda x: 0\n"
+                                 "builtins.compile = lambda *a, **k: None\nbuiltins.enumerate = lambda x: []\n"
+                                 "builtins.dict = lambda *a, **k: {}\n"), VerifyStatus.WRONG),
+    ("the report fd closed", fenced(RIGHT + "import os\nfor fd in range(3, 64):\n    try:\n        os.close(fd)\n"
+                                    "    except OSError:\n        pass\n"), VerifyStatus.RUNTIME_ERROR),
+    ("a pass body", "    pass\n", VerifyStatus.WRONG),
+]
+
+
+def local(completion: str, item: TaskItem = ITEM):
+    verifier = code_tests if item.verifier == "code_tests" else code_output
+    return asyncio.run(verifier(wall_timeout_s=5.0).verify(VerifyRequest(item, completion)))
+
+
+@pytest.mark.parametrize("name, completion, status", TAMPERS, ids=[t[0] for t in TAMPERS])
+def test_no_early_exit_or_tamper_route_is_ok(name, completion, status):
+    r = local(completion)
+    assert r.status is status, (name, r.details)
+    assert r.reward == 0.0
+
+
+def test_every_test_ran_is_ok_in_each_completion_form():
+    for completion in ("    return a + b\n",                                 # body only, HumanEval's native form
+                       fenced(RIGHT),                                         # the whole function
+                       "```Python\n" + RIGHT + "```",                         # a capitalised fence
+                       fenced(RIGHT) + "Usage:\n```python\nprint(add(1, 2))\n```\n"):  # an example after it
+        r = local(completion)
+        assert r.status is VerifyStatus.OK and r.details == "all 2 tests passed", (completion, r.details)
+
+
+def test_statuses_mean_one_thing():
+    multi_line = TaskItem(uid="m", prompt="", answer="", verifier="code_tests",
+                          tests=("assert add(1, 1) == 3, 'first line\\nsecond line'",))
+    r = local(fenced(RIGHT), multi_line)
+    assert r.status is VerifyStatus.WRONG and "first line | second line" in r.details
+    r = local(fenced(RIGHT + "print('x' * 10 ** 7)\n"))
+    assert (r.status, r.details) == (VerifyStatus.RUNTIME_ERROR, "output limit exceeded")
+    killed = TaskItem(uid="k", prompt="", answer="", verifier="code_output")
+    r = local("\\boxed{import os, signal; os.kill(os.getpid(), signal.SIGKILL)}", killed)
+    assert r.status is VerifyStatus.RUNTIME_ERROR, r.details  # not a timeout
+    r = local(fenced(RIGHT + "while True:\n    pass\n"))
+    assert r.status is VerifyStatus.TIMEOUT
+
+
+def test_program_selection_and_joining():
+    example = "```python\nprint(add(1, 2))\n```"
+    assert extract_program(fenced(RIGHT) + example, "add") == RIGHT  # the block defining the entry point
+    assert extract_program(fenced(RIGHT) + example) == "print(add(1, 2))\n"  # without one: the last block
+    assert program_of("    return a + b\n", ITEM) == PREFIX + "    return a + b\n"
+    assert program_of(fenced(RIGHT), ITEM) == RIGHT  # defines add: not joined
+    assert program_of("```PY\n    return 1\n```", ITEM) == PREFIX + "    return 1\n"
+
+
+def test_a_report_needs_the_token():
+    assert read_report("x\ntok passed 2/2 \n", "tok") == ("passed", 2, 2, "")
+    assert read_report("x\nother passed 2/2 \n", "tok") is None
+    assert read_report("tok passed two\n", "tok") is None
+    assert "'print(1)'" in harness_program("print(1)", ("assert True",))
+
+
+async def _remote_statuses(completions: list[str]) -> list:
+    config = SandboxServerConfig(port=0, workers=4, sandbox=SandboxConfig(wall_timeout_s=5.0))
+    runner = web.AppRunner(make_app(config))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    verifier = RemoteSandboxVerifier(RemoteSandboxConfig(endpoints=(url,), run_timeout_s=5.0))
+    try:
+        return await asyncio.gather(*(verifier.verify(VerifyRequest(ITEM, c)) for c in completions))
+    finally:
+        await verifier.aclose()
+        await runner.cleanup()
+
+
+def test_the_sandbox_service_scores_every_route_as_the_local_verifier_does():
+    completions = [c for _, c, _ in TAMPERS] + ["    return a + b\n", fenced(RIGHT + "print('x' * 10 ** 7)\n")]
+    remote = asyncio.run(_remote_statuses(completions))
+    for completion, r in zip(completions, remote):
+        mine = local(completion)
+        assert (r.status, r.details.split(":")[0]) == (mine.status, mine.details.split(":")[0]), completion
