@@ -286,10 +286,9 @@ class EvaluatorActor:
     def __init__(self, model_path: str, cfg: SamplerConfig, items: list, verifier: VerifierConfig,
                  prompt: PromptConfig, token: str = "") -> None:
         from threepo.services.evaluation import Evaluator
-        from threepo.services.verifier_pool import load_verifiers
+        from threepo.services.verifier_pool import VerifierPool
 
-        self.evaluator = Evaluator(model_path, items, load_verifiers(verifier, [it.verifier for it in items], token),
-                                   prompt, cfg)
+        self.evaluator = Evaluator(model_path, items, VerifierPool(verifier.pool_config(token)), prompt, cfg)
         self.cfg = cfg
 
     def evaluate(self, pv) -> tuple[float, int]:

@@ -198,10 +198,10 @@ def evaluate_policy(cfg, path: str, *, label: str):
     from threepo.services.datasets import eval_items
     from threepo.services.engines.base import SamplerConfig
     from threepo.services.evaluation import Evaluator
-    from threepo.services.verifier_pool import load_verifiers
+    from threepo.services.verifier_pool import VerifierPool
 
     items = eval_items(cfg.data, cfg.task, cfg.eval)
-    evaluator = Evaluator(path, items, load_verifiers(cfg.verifier, [it.verifier for it in items]), cfg.prompt,
+    evaluator = Evaluator(path, items, VerifierPool(cfg.verifier.pool_config()), cfg.prompt,
                           SamplerConfig(threads=cfg.bootstrap.threads, batch_size=cfg.eval.batch_size, seed=cfg.seed),
                           dtype=cfg.model.dtype, seed=cfg.seed)
     try:

@@ -3,15 +3,15 @@ evaluations around and during `threepo train`, the bootstrap).
 
 `evaluate` asks a policy — anything that samples engine requests (`GenerateFn`) — for completions of
 the items' prompts, encoded by the model's `PromptEncoder` (services/prompting.py, as in training),
-and scores them with the same verifiers the runtime uses, so an evaluation scores exactly like
-training does. Temperature 0 is greedy. `Evaluator` is the one evaluation service: an hf engine
-serving a checkpoint or a published mean, with its encoder and verifiers (the CLI, the evaluator
-actor); `model_pass_at_1` evaluates a live model in training (the bootstrap).
+and scores them through a `VerifierPool` (services/verifier_pool.py) as training does — the same
+verifiers, routes, concurrency and retries of infrastructure failures — so an evaluation scores
+exactly like training. Temperature 0 is greedy. `Evaluator` is the one evaluation service: an hf
+engine serving a checkpoint or a published mean, with its encoder and verifier pool (the CLI, the
+evaluator actor); `model_pass_at_1` evaluates a live model in training (the bootstrap).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING
 
 from threepo.algorithms.pass_at_k import pass_at_k
 from threepo.services.engines.base import EngineRequest, GeneratedSample
-from threepo.services.messages import SamplingParams, TaskItem, VerifyRequest, VerifyStatus
-from threepo.services.verifiers.base import Verifier, load_verifier
+from threepo.services.messages import SamplingParams, TaskItem, VerifyRequest, VerifyResult, VerifyStatus
+from threepo.services.verifier_pool import VerifierPool, VerifierPoolConfig
 
 if TYPE_CHECKING:
     from threepo.services.prompting import PromptEncoder
 
 GenerateFn = Callable[[Sequence[EngineRequest], SamplingParams], list[list[GeneratedSample]]]
+VerifyFn = Callable[[list[VerifyRequest]], list[VerifyResult]]  # e.g. VerifierPool.verify_batch
 TRUNCATION_WARNING = 0.05  # a share of completions cut at the length limit worth a warning
 
 
@@ -89,7 +90,7 @@ def requests_for(prompt_ids: Sequence[Sequence[int]], n: int, seed: int = 0) -> 
     return [EngineRequest(tuple(ids), n, tensor_seed(seed, f"{i}/{list(ids)}")) for i, ids in enumerate(prompt_ids)]
 
 
-def evaluate(generate: GenerateFn, items: Sequence[TaskItem], verifiers: Mapping[str, Verifier],
+def evaluate(generate: GenerateFn, items: Sequence[TaskItem], verify: VerifyFn,
              prompts: PromptEncoder, *, samples_per_item: int, k: int, temperature: float, max_new_tokens: int,
              batch_size: int = 256, seed: int = 0, progress: Callable[[int], None] | None = None) -> EvalReport:
     """Sample `samples_per_item` completions per item, verify them, and estimate pass@1 / pass@k."""
@@ -105,8 +106,8 @@ def evaluate(generate: GenerateFn, items: Sequence[TaskItem], verifiers: Mapping
         samples = generate([EngineRequest(prompts.encode(it.prompt, it.verifier), samples_per_item,
                                           tensor_seed(seed, f"{i}/{it.prompt}")) for i, it in enumerate(chunk)], params)
         cut += sum(s.finish_reason == "length" for group in samples for s in group)
-        results = verify_all(verifiers, [VerifyRequest(item=it, completion=s.text, finish_reason=s.finish_reason)
-                                         for it, group in zip(chunk, samples) for s in group])
+        results = verify([VerifyRequest(item=it, completion=s.text, finish_reason=s.finish_reason)
+                          for it, group in zip(chunk, samples) for s in group])
         for i in range(len(chunk)):
             group = results[i * samples_per_item:(i + 1) * samples_per_item]
             correct.append(sum(r.status is VerifyStatus.OK for r in group))
@@ -126,45 +127,40 @@ def evaluate(generate: GenerateFn, items: Sequence[TaskItem], verifiers: Mapping
     )
 
 
-def verifiers_for(items: Sequence[TaskItem]) -> dict[str, Verifier]:
-    """One verifier (default options) per verifier name the items use."""
-    return {name: load_verifier(name) for name in sorted({it.verifier for it in items})}
-
-
 def model_pass_at_1(model, prompts: PromptEncoder, items: Sequence[TaskItem], *, temperature: float,
                     max_new_tokens: int) -> float:
     """pass@1 of a live model (one sample per item), e.g. one being trained; the model is put in
     eval mode for the call and its previous mode restored."""
     from threepo.services.engines.decoding import generate, own_decoder
 
-    verifiers, was_training = verifiers_for(items), model.training
+    pool, was_training = VerifierPool(VerifierPoolConfig()), model.training
     model.eval()
     try:
         lean = own_decoder(model)
         report = evaluate(lambda requests, params: generate(model, prompts.tokenizer, requests, params,
                                                             batch_size=256, lean=lean),
-                          items, verifiers, prompts, samples_per_item=1, k=1, temperature=temperature,
+                          items, pool.verify_batch, prompts, samples_per_item=1, k=1, temperature=temperature,
                           max_new_tokens=max_new_tokens)
     finally:
         model.train(was_training)
-        for verifier in verifiers.values():
-            verifier.close()
+        pool.close()
     return report.pass_at_1
 
 
 class Evaluator:
     """The evaluation service: an hf engine serving the checkpoint at `model_path` (or a mean given
-    to `load`), its prompt encoder and the items' verifiers (built by the caller, routed as in
-    training). `cfg`: the engine's sampler settings (threads, batch size, served dtype)."""
+    to `load`), its prompt encoder and the verifier pool (built by the caller from the run's
+    `[verifier]`, as training's; closed with the service). `cfg`: the engine's sampler settings
+    (threads, batch size, served dtype)."""
 
-    def __init__(self, model_path: str, items: Sequence[TaskItem], verifiers: Mapping[str, Verifier], prompts,
+    def __init__(self, model_path: str, items: Sequence[TaskItem], pool: VerifierPool, prompts,
                  cfg, *, dtype: str = "float32", seed: int = 0) -> None:
         from threepo.services.engines.hf import HFEngine
         from threepo.services.prompting import PromptEncoder
 
         self.engine = HFEngine(model_path, cfg, dtype=dtype)
         self.prompts = PromptEncoder.from_path(model_path, prompts)
-        self.items, self.verifiers, self.cfg, self.seed = list(items), verifiers, cfg, seed
+        self.items, self.pool, self.cfg, self.seed = list(items), pool, cfg, seed
 
     def load(self, mean: Mapping, mean_checksum: str) -> None:
         """Serve a published mean (the evaluations during training)."""
@@ -172,22 +168,11 @@ class Evaluator:
 
     def evaluate(self, *, samples_per_item: int, k: int, temperature: float, max_new_tokens: int,
                  progress: Callable[[int], None] | None = None) -> EvalReport:
-        return evaluate(self.engine.generate, self.items, self.verifiers, self.prompts,
+        return evaluate(self.engine.generate, self.items, self.pool.verify_batch, self.prompts,
                         samples_per_item=samples_per_item, k=k, temperature=temperature,
                         max_new_tokens=max_new_tokens, batch_size=self.cfg.batch_size, seed=self.seed,
                         progress=progress)
 
     def close(self) -> None:
-        for verifier in self.verifiers.values():
-            verifier.close()
+        self.pool.close()
         self.engine.close()
-
-
-def verify_all(verifiers: Mapping[str, Verifier], requests: Sequence[VerifyRequest]):
-    """Verify on the calling thread (math-verify's SIGALRM timeouts need the main thread)."""
-    async def run():
-        return [await verifiers[r.item.verifier].verify(r) for r in requests]
-    missing = sorted({r.item.verifier for r in requests} - set(verifiers))
-    if missing:
-        raise KeyError(f"no verifier loaded for {missing}: items name verifiers {sorted(verifiers)} lack")
-    return asyncio.run(run())

@@ -31,7 +31,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -118,7 +118,11 @@ class VerifierConfig:
     run_timeout_s: float = 10.0
     """Run limit sent to the sandbox."""
     request_margin_s: float = 10.0
-    """Per-request deadline = compile_timeout_s + run_timeout_s + this; past it the request is retried."""
+    """Per-request deadline = queue_timeout_s + compile_timeout_s + run_timeout_s + this; past it the
+    request is retried."""
+    queue_timeout_s: float = 30.0
+    """How long a request may wait at the sandbox service for a free worker; past it the service answers
+    504 without running it (retried). A run's own timeout starts when it does."""
     max_attempts: int = 8
     """Failed attempts of one verification, counted while other requests get answers, before it
     ends as infra_error."""
@@ -175,19 +179,12 @@ class VerifierConfig:
             return RemoteSandboxConfig(
                 endpoints=self.endpoints, compile_timeout_s=self.compile_timeout_s,
                 run_timeout_s=self.run_timeout_s, request_margin_s=self.request_margin_s,
-                max_attempts=self.max_attempts, backoff_base_s=self.backoff_base_s,
+                queue_timeout_s=self.queue_timeout_s, max_attempts=self.max_attempts, backoff_base_s=self.backoff_base_s,
                 backoff_max_s=self.backoff_max_s, jitter=self.jitter, unhealthy_after=self.unhealthy_after,
                 cooldown_s=self.cooldown_s, outage_s=self.outage_s, auth_token=token,
                 auth_header=self.auth_header, seed=self.seed)
         except ValueError as err:
             raise ValueError(str(err).replace("RemoteSandboxConfig.", "verifier.")) from None
-
-
-def load_verifiers(cfg: VerifierConfig, names: Iterable[str], token: str | None = None) -> dict[str, Verifier]:
-    """One verifier per row verifier name in `names`, routed and configured as the pool would (for
-    evaluations that score outside a pool); keys are the names rows carry."""
-    pool = cfg.pool_config(token)
-    return {name: load_verifier(pool.routed(name), **pool.options_of(pool.routed(name))) for name in sorted(set(names))}
 
 
 def auth_token(env_name: str) -> str:

@@ -15,7 +15,7 @@ on a private duplicate of stdout taken before the program ran, and ends the proc
     no report line carrying the token                                 -> runtime_error (or timeout,
                                                                          output limit as the run says)
 
-What this holds against (each has a test in tests/verifiers/test_harness.py): an early exit of any
+What this holds against (each has a test in tests/services/test_code_harness.py): an early exit of any
 kind before or inside the tests (`sys.exit`, `exit()`, `os._exit(0)`, `raise SystemExit`, killing its
 own process), exit hooks (`atexit`) and a replaced `sys.excepthook`, a closed, redirected or replaced
 stdout (`sys.stdout`, fd 1), printing a fake report (it lacks the token), a `check` defined by the

@@ -10,8 +10,12 @@ How it calls (operations.md §3.4, §7 item 6):
 - every HTTP call holds the injected limiter (`async with limiter:`) while it is on the wire, never
   while it waits; the default is a per-process `asyncio.Semaphore`,
   `threepo.deploy.limiter.ClusterLimiter` is cluster-wide;
-- per-request deadline = compile_timeout + run_timeout + request_margin; a request past it (a
-  hanging endpoint) counts as a failure of that endpoint and is retried, on the next endpoint;
+- a request may wait at the service for a free worker for `queue_timeout_s` (sent as the
+  `X-Threepo-Start-By-S` header: the service starts it by then or answers 504 without running it);
+  its HTTP deadline is queue_timeout + compile_timeout + run_timeout + request_margin, so time spent
+  queued never cuts a started run short and no program runs for a client that has left; a request
+  past that deadline (a hanging endpoint) counts as a failure of that endpoint and is retried, on the
+  next endpoint;
 - transient failures are retried, with capped exponential backoff and jitter: transport errors,
   timeouts, HTTP 5xx, an unreadable body and `status: SandboxError` (a sandbox-side failure, not
   a run). Never retried: HTTP 4xx (our request is wrong: `infra_error` at once; 401/403, a refused
@@ -61,7 +65,10 @@ class RemoteSandboxConfig:
     memory_limit_mb: int = -1
     """Sent as `memory_limit_MB` (-1: the server's default)."""
     request_margin_s: float = 10.0
-    """Added to compile + run timeout to give each HTTP request's deadline."""
+    """Added to queue + compile + run timeout to give each HTTP request's deadline."""
+    queue_timeout_s: float = 30.0
+    """How long a request may wait at the service for a free worker before it is answered 504 unrun
+    (and retried); sent as the start-by header, added to the request's HTTP deadline."""
     max_attempts: int = 8
     """Failed attempts of one call, counted only while other requests get answers, before it ends
     as infra_error (a request no endpoint can serve; see the module docstring)."""
@@ -97,7 +104,8 @@ class RemoteSandboxConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"RemoteSandboxConfig.{name}: expected >= 1, "
                                  f"got {getattr(self, name)}")
-        for name in ("compile_timeout_s", "run_timeout_s", "request_margin_s", "cooldown_s", "outage_s"):
+        for name in ("compile_timeout_s", "run_timeout_s", "request_margin_s", "queue_timeout_s", "cooldown_s",
+                     "outage_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RemoteSandboxConfig.{name}: expected > 0, got {getattr(self, name)}")
         if not 0 <= self.backoff_base_s <= self.backoff_max_s or not 0 <= self.jitter <= 1:
@@ -105,7 +113,7 @@ class RemoteSandboxConfig:
                              "0 <= base <= max and jitter in [0, 1]")
 
 
-DEADLINE_HEADER = "X-Threepo-Deadline-S"  # the request's deadline in seconds: the server drops it if still queued then
+START_BY_HEADER = "X-Threepo-Start-By-S"  # seconds within which the service must start the program, else 504 unrun
 
 
 class SandboxInfraError(RuntimeError):
@@ -255,7 +263,7 @@ class SandboxClient:
 
     async def _post(self, path: str, payload: dict[str, Any]) -> Any:
         cfg = self.config
-        deadline = cfg.compile_timeout_s + cfg.run_timeout_s + cfg.request_margin_s
+        deadline = cfg.queue_timeout_s + cfg.compile_timeout_s + cfg.run_timeout_s + cfg.request_margin_s
         started, retries, charged = self._clock(), 0, 0
         while True:
             endpoint = await self._endpoint(started)
@@ -313,7 +321,7 @@ class SandboxClient:
         self._last_answer = self._clock()
 
     async def _attempt(self, endpoint: _Endpoint, path: str, payload: dict[str, Any], deadline: float) -> Any:
-        url, headers = endpoint.url + path, {DEADLINE_HEADER: f"{deadline:g}"}
+        url, headers = endpoint.url + path, {START_BY_HEADER: f"{self.config.queue_timeout_s:g}"}
         if self.config.auth_token:
             headers[self.config.auth_header] = f"Bearer {self.config.auth_token}"
         session = self._ensure_session()

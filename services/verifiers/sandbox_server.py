@@ -3,15 +3,17 @@
 Endpoints (operations.md §3.1): `POST /run_code` (Python only), `POST /submit` with
 `config.dataset_type="CommonOJDataset"` and the cases in `config.provided_data.test`, and
 `GET /v1/ping`, and `GET /v1/info` (the interpreter programs run on, as they see it, and the
-queue). At most `workers` programs run at once; the rest queue.
+queue). At most `workers` programs run at once (default: the machine's cores); the rest queue.
 
 - A malformed request is answered 400 with one line naming the field and what was expected (a
   string timeout, a float memory limit, a number for stdin, a list for files, ...); so is a
   language other than Python. Clients must not retry a 400 (threepo's does not).
 - Queued work whose client is gone is dropped before it runs: a client that disconnects cancels
-  its handler (`handler_cancellation`), and a request carrying `X-Threepo-Deadline-S` (the
-  client's own deadline, in seconds; threepo's client sends it) that is still queued when it
-  passes is answered 504 without running.
+  its handler (`handler_cancellation`, which also kills a program it is running), and a request
+  carrying `X-Threepo-Start-By-S` (seconds within which it must start; threepo's client sends it and
+  waits that long plus the run's own timeouts, so a program that starts is always awaited) that is
+  still queued when it passes is answered 504 without running. The run's timeout starts when the
+  program does: time in the queue never cuts it short.
 - The sandbox failing to start a program is `status: SandboxError` (the client retries that, and
   turns it into `infra_error`).
 - Programs run on `SandboxConfig.python` (`--python`; default: the interpreter running the
@@ -33,13 +35,13 @@ import base64
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
 
 from threepo.services.verifiers.code_verifiers import extract_program, normalize_output
-from threepo.services.verifiers.remote import DEADLINE_HEADER
+from threepo.services.verifiers.remote import START_BY_HEADER
 from threepo.services.verifiers.sandbox import (OUTPUT_LIMIT_MESSAGE, LocalSandbox, RunResult, RunStatus,
                                                 SandboxConfig, SandboxUnavailableError)
 
@@ -55,8 +57,8 @@ class SandboxServerConfig:
     """Bind address; 0.0.0.0 only behind a network policy (the service runs untrusted code)."""
     port: int = 8080
     """TCP port (0: pick a free one)."""
-    workers: int = 2
-    """Programs running at once; further requests wait."""
+    workers: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
+    """Programs running at once (default: the cores this process may use); further requests wait."""
     max_run_timeout_s: float = 30.0
     """Upper bound on a request's `run_timeout`."""
     max_memory_mb: int = 4096
@@ -143,13 +145,15 @@ class SandboxService:
 
     def __init__(self, config: SandboxServerConfig, sandbox: LocalSandbox | None = None) -> None:
         self.config = config
-        self.sandbox = sandbox or LocalSandbox(config.sandbox)
+        # the sandbox's own cap must not be what limits the workers
+        self.sandbox = sandbox or LocalSandbox(replace(config.sandbox, max_parallel=max(config.sandbox.max_parallel,
+                                                                                        config.workers)))
         self._slots = asyncio.Semaphore(config.workers)
-        # programs started; queued requests dropped because their deadline passed or client left
+        # programs started; queued requests dropped because their start-by time passed or client left
         self.stats = {"started": 0, "expired_in_queue": 0, "cancelled_in_queue": 0, "queued": 0}
 
     async def _slot(self, deadline: float | None) -> None:
-        """Wait for a free worker, but not past the client's deadline (monotonic), nor after the
+        """Wait for a free worker, but not past the request's start-by time (monotonic), nor after the
         client has gone (the handler is then cancelled here)."""
         self.stats["queued"] += 1
         acquiring = asyncio.ensure_future(self._slots.acquire())
@@ -165,7 +169,7 @@ class SandboxService:
         if not acquiring.done():
             self.stats["expired_in_queue"] += 1
             self._drop(acquiring)
-            raise web.HTTPGatewayTimeout(text="the client's deadline passed while this request was "
+            raise web.HTTPGatewayTimeout(text="the request's start-by time passed while it was "
                                               "queued; it was not run")
 
     def _drop(self, acquiring: asyncio.Future) -> None:
@@ -256,13 +260,13 @@ def make_app(config: SandboxServerConfig, sandbox: LocalSandbox | None = None,
         return await handler(request)
 
     def deadline_of(request: web.Request) -> float | None:
-        raw = request.headers.get(DEADLINE_HEADER)
+        raw = request.headers.get(START_BY_HEADER)
         if raw is None:
             return None
         try:
             return time.monotonic() + float(raw)
         except ValueError:
-            raise _bad_request(f"header {DEADLINE_HEADER}: expected seconds as a number, got {raw!r:.40}")
+            raise _bad_request(f"header {START_BY_HEADER}: expected seconds as a number, got {raw!r:.40}")
 
     async def json_body(request: web.Request) -> dict[str, Any]:
         try:
@@ -297,14 +301,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="threepo sandbox service (SandboxFusion API)")
     parser.add_argument("--host", default=SandboxServerConfig.host)
     parser.add_argument("--port", type=int, default=SandboxServerConfig.port)
-    parser.add_argument("--workers", type=int, default=SandboxServerConfig.workers)
+    parser.add_argument("--workers", type=int, default=None, help="programs at once (default: the cores)")
     parser.add_argument("--unconfined", action="store_true",
                         help="run WITHOUT namespace isolation (unsafe; logged loudly)")
     parser.add_argument("--python", default=SandboxConfig().python,
                         help="interpreter the programs run on (default: this one)")
     args = parser.parse_args(argv)
     sandbox = SandboxConfig(isolation="unconfined" if args.unconfined else "bwrap", python=args.python)
-    config = SandboxServerConfig(host=args.host, port=args.port, workers=args.workers,
+    config = SandboxServerConfig(host=args.host, port=args.port, **({"workers": args.workers} if args.workers else {}),
                                  auth_token=os.environ.get("THREEPO_SANDBOX_TOKEN", ""),
                                  sandbox=sandbox)
     app = make_app(config)

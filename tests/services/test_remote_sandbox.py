@@ -61,7 +61,7 @@ async def serve(faults: Faults | None = None, token: str = ""):
 
 
 def client_config(url, **kw):
-    base = dict(endpoints=(url,), compile_timeout_s=0.1, run_timeout_s=2.0, request_margin_s=1.0,
+    base = dict(endpoints=(url,), compile_timeout_s=0.1, run_timeout_s=2.0, request_margin_s=1.0, queue_timeout_s=0.5,
                 max_attempts=3, backoff_base_s=0.01, backoff_max_s=0.05, cooldown_s=0.2, outage_s=5.0)
     return RemoteSandboxConfig(**{**base, **kw})
 

@@ -7,6 +7,7 @@ rules under test do not depend on the scale. A flaky or briefly down service is 
 infra_error reaches the caller); one that stays down past the bound raises VerifierOutage."""
 
 import asyncio
+import os
 import shutil
 import time
 
@@ -108,12 +109,12 @@ def test_a_hanging_endpoint_hits_the_deadline_and_is_retried_elsewhere():
     async def body(proxies, urls):
         proxies[0].hang_all = True
         started = time.monotonic()
-        results = await verify(urls, requests, run_timeout_s=1.0, request_margin_s=0.5)
+        results = await verify(urls, requests, run_timeout_s=1.0, request_margin_s=0.5, queue_timeout_s=0.5)
         return results, time.monotonic() - started, [p.counts for p in proxies]
     results, elapsed, (hung, healthy) = asyncio.run(with_proxies(2, body, hang_s=30.0))
     assert [r.status for r in results] == expected
     assert hung["hang"] >= 1 and healthy["forwarded"] == 6
-    assert elapsed < 15  # bounded by the deadline (1.6 s), not by the 30 s hang
+    assert elapsed < 15  # bounded by the deadline (2.1 s), not by the 30 s hang
 
 
 def test_every_endpoint_down_past_the_bound_raises_verifier_outage():
@@ -222,7 +223,7 @@ def test_queued_work_of_a_client_that_gave_up_never_runs():
             await asyncio.sleep(0.3)  # the only worker is taken
             with pytest.raises(asyncio.TimeoutError):  # this client disconnects while queued
                 await raw_post(url, {"code": "print('late')"}, timeout=0.3)
-            expired = await raw_post(url, {"code": "print('late')"}, headers={"X-Threepo-Deadline-S": "0.3"})
+            expired = await raw_post(url, {"code": "print('late')"}, headers={"X-Threepo-Start-By-S": "0.3"})
             assert (await busy)[0] == 200
             await asyncio.sleep(0.2)
             return expired, dict(service.stats)
@@ -272,3 +273,22 @@ def test_a_refused_connection_past_the_bound_raises_verifier_outage_even_when_ba
         await verifier.aclose()
         return time.monotonic() - started
     assert asyncio.run(run()) < 10
+
+
+def test_time_in_the_queue_never_cuts_a_run_short_and_nothing_runs_twice():
+    # one worker, four programs of ~0.8 s each with a 1.5 s run timeout: the last waits ~2.4 s in the
+    # queue, longer than a run's whole budget; each is started once and scored on its own run
+    async def go(_, __):
+        app = make_app(SandboxServerConfig(port=0, workers=1, sandbox=SandboxConfig(wall_timeout_s=2.0)))
+        runner, url = await start(app)
+        try:
+            rows = [VerifyRequest(TaskItem(uid=f"s{i}", prompt="", answer=str(i), verifier="code_output"),
+                                  f"\\boxed{{import time; time.sleep(0.8); print({i})}}") for i in range(4)]
+            results = await verify([url], rows, run_timeout_s=1.5, request_margin_s=0.5, queue_timeout_s=10.0)
+            return results, dict(app[SERVICE].stats)
+        finally:
+            await runner.cleanup()
+    results, stats = asyncio.run(with_proxies(0, go))
+    assert [r.status for r in results] == [VerifyStatus.OK] * 4, [r.details for r in results]
+    assert stats["started"] == 4 and stats["expired_in_queue"] == 0
+    assert SandboxServerConfig().workers == len(os.sched_getaffinity(0))  # workers default to the cores
