@@ -98,3 +98,40 @@ def test_verifier_outage_reaches_the_caller_and_stops_the_batch():
         pool.verify_batch(rows(4))
     assert not [t for t in asyncio.all_tasks(pool._loop) if not t.done()]  # nothing left running
     pool.close()
+
+
+def test_evaluation_verifies_through_the_pool_concurrently_and_closes_its_verifiers():
+    from threepo.services.engines.base import GeneratedSample
+    from threepo.services.evaluation import evaluate
+
+    class Flaky(Recorder):
+        in_flight = peak = closed = 0
+
+        async def verify(self, request):
+            Flaky.in_flight += 1
+            Flaky.peak = max(Flaky.peak, Flaky.in_flight)
+            await asyncio.sleep(0.01)
+            Flaky.in_flight -= 1
+            self.seen.append(request.item.uid)
+            first = self.seen.count(request.item.uid) == 1 and request.item.uid == "r0"
+            return VerifyResult(VerifyStatus.INFRA_ERROR if first else VerifyStatus.OK, 1.0, "", 0.0)
+
+        def close(self):
+            Flaky.closed += 1
+
+    class Prompts:
+        stop_ids = (1,)
+
+        def encode(self, prompt, verifier):
+            return (5,)
+
+    items = [r.item for r in rows(12)]
+    generate = lambda requests, params: [[GeneratedSample((7,), (0.0,), "stop", f"{i}")]  # noqa: E731
+                                         for i, _ in enumerate(requests)]
+    pool = VerifierPool(VerifierConfig(max_concurrency=4, backoff_base_s=0.0, backoff_max_s=0.0).pool_config(""),
+                        factories={"code_output": lambda **o: Flaky("code_output")})
+    report = evaluate(generate, items, pool.verify_batch, Prompts(), samples_per_item=1, k=1, temperature=0.0,
+                      max_new_tokens=4)
+    pool.close()
+    assert report.pass_at_1 == 1.0  # the infra_error of r0 was retried, as in training
+    assert Flaky.peak == 4 and Flaky.closed == 1
