@@ -26,8 +26,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Ray's CLI beside the running interpreter: the suite also runs from a venv that is not activated
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+
+
 def _node(*args, env):
-    return subprocess.Popen(["ray", "start", "--block", "--disable-usage-stats", *args], env=env,
+    return subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -52,7 +56,7 @@ def test_a_sampler_node_joins_and_leaves_mid_run(tmp_path, tiny_dense_path):
                  "--include-dashboard=false", "--node-ip-address=127.0.0.1", env=env)
     nodes = [head]
     try:
-        _wait("the head", lambda: subprocess.run(["ray", "status", f"--address={address}"], env=env,
+        _wait("the head", lambda: subprocess.run([RAY, "status", f"--address={address}"], env=env,
                                                  capture_output=True).returncode == 0)
         train = subprocess.Popen(
             [sys.executable, "-m", "threepo.deploy.cli", "train", f"model.path={tiny_dense_path}", f"runs_dir={tmp_path}",
