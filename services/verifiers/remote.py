@@ -10,12 +10,9 @@ How it calls (operations.md §3.4, §7 item 6):
 - every HTTP call holds the injected limiter (`async with limiter:`) while it is on the wire, never
   while it waits; the default is a per-process `asyncio.Semaphore`,
   `threepo.deploy.limiter.ClusterLimiter` is cluster-wide;
-- a request may wait at the service for a free worker for `queue_timeout_s` (sent as the
-  `X-Threepo-Start-By-S` header: the service starts it by then or answers 504 without running it);
-  its HTTP deadline is queue_timeout + compile_timeout + run_timeout + request_margin, so time spent
-  queued never cuts a started run short and no program runs for a client that has left; a request
-  past that deadline (a hanging endpoint) counts as a failure of that endpoint and is retried, on the
-  next endpoint;
+- a request may wait for a worker at the service `queue_timeout_s` (header `X-Threepo-Start-By-S`:
+  started by then or answered 504 unrun); its deadline is that + compile + run timeout + margin, so
+  queueing never cuts a run short; past it (a hanging endpoint) it is retried on the next endpoint;
 - transient failures are retried, with capped exponential backoff and jitter: transport errors,
   timeouts, HTTP 5xx, an unreadable body and `status: SandboxError` (a sandbox-side failure, not
   a run). Never retried: HTTP 4xx (our request is wrong: `infra_error` at once; 401/403, a refused
@@ -67,8 +64,7 @@ class RemoteSandboxConfig:
     request_margin_s: float = 10.0
     """Added to queue + compile + run timeout to give each HTTP request's deadline."""
     queue_timeout_s: float = 30.0
-    """How long a request may wait at the service for a free worker before it is answered 504 unrun
-    (and retried); sent as the start-by header, added to the request's HTTP deadline."""
+    """Wait for a worker at the service before a 504 unrun (retried); part of the HTTP deadline."""
     max_attempts: int = 8
     """Failed attempts of one call, counted only while other requests get answers, before it ends
     as infra_error (a request no endpoint can serve; see the module docstring)."""
