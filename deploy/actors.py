@@ -127,8 +127,8 @@ class PosteriorActor:
         self.server = load_posterior(checkpoint, cfg) if checkpoint else PosteriorServer(cfg)
         self._metrics = register_catalogue(RayMetrics())
 
-    def publish(self, pv):
-        published = self.server.publish(pv)
+    def publish(self, pv, hold: bool = False):
+        published = self.server.publish(pv, hold)
         self._metrics["threepo_policy_version"].set(published.version)
         self._metrics["threepo_sync_events_total"].inc(1, reason=pv.reason or "start")
         return published

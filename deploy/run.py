@@ -81,6 +81,7 @@ class Loop:
     joining: set = field(default_factory=set)       # samplers started or restarting, not answering yet
     restarting: dict = field(default_factory=dict)  # fixed pool: sampler -> when it was first seen restarting
     backlog: list = field(default_factory=list)     # requests waiting for a sampler to exist
+    held: int | None = None                         # the version whose reference the driver holds (adopt)
     pool_checked: float = 0.0
 
 
@@ -126,10 +127,12 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, resume_from: str | None = No
         resume_metrics_file(os.path.join(run_dir, "metrics.jsonl"), 0, 0)
     s = Loop(cfg, roles, ledger, RunLog(run_dir, f"train {cfg.algo.exploration}", rt.steps, ledger.step))
     if resume_from:
-        adopt(s, call(s.roles.posterior.version_plan.remote(call(s.roles.posterior.current_version.remote()))))
+        current = call(s.roles.posterior.current_version.remote())
+        s.roles.posterior.acquire.remote(current)  # the driver's hold (see adopt)
+        adopt(s, call(s.roles.posterior.version_plan.remote(current)))
     else:
         first = s.roles.learner.published.remote("start")
-        adopt(s, call(s.roles.posterior.publish.remote(first)), first)
+        adopt(s, call(s.roles.posterior.publish.remote(first, True)), first)
     try:
         while ledger.step < rt.steps or s.learning:
             # 1. admit prompts: each chunk goes to a sampler and, by reference, straight on to a verifier
@@ -333,7 +336,7 @@ def learned(s: Loop, step: int, result, version, run_dir: str) -> None:
     if not s.learning:
         s.idle_since = time.monotonic()
     if result.publish:
-        s.inflight[s.roles.posterior.publish.remote(version)] = ("published", version)
+        s.inflight[s.roles.posterior.publish.remote(version, True)] = ("published", version)
     if evaluates_after(s, result.step):
         s.inflight[s.roles.evaluator.evaluate.remote(learner.published.remote("eval"))] = ("evaluated", result.step)
     row = {"step": result.step, "time_s": round(s.log.elapsed(), 3), "version": s.ledger.version,
@@ -384,7 +387,15 @@ def adopt(s: Loop, published, weights=None) -> None:
     """A new version (VersionPlan from the posterior server): later admissions use its plan; the
     samplers fetch its weights by reference when they first serve it — the learner's own published
     object (`weights`, whose arrays the posterior server keeps too: one copy), or after a restore the
-    server's."""
+    server's. The driver holds one reference to the version it admits at (taken when it is
+    published, with `hold`), and lets go of the previous one only now: admissions sent before this
+    moment still name it, and a version published meanwhile would otherwise drop it."""
+    if s.held is not None and published.version < s.held:  # overtaken by a newer one: not adopted
+        s.roles.posterior.release.remote(published.version)
+        return
+    if s.held is not None and s.held != published.version:
+        s.roles.posterior.release.remote(s.held)
+    s.held = published.version
     s.ledger.publish(published)
     s.weights[published.version] = weights if weights is not None else s.roles.posterior.weights.remote(
         published.version)

@@ -109,9 +109,11 @@ class PosteriorServer:
 
     # --- publishing and reading versions ---------------------------------------------------------
 
-    def publish(self, pv: PublishedVersion) -> VersionPlan:
+    def publish(self, pv: PublishedVersion, hold: bool = False) -> VersionPlan:
         """Store `pv` as the next version (the current one + 1; the first is 0) and return its plan.
-        The server numbers versions: it is their one owner."""
+        The server numbers versions: it is their one owner. `hold`: the version starts with one
+        reference, its publisher's (the driver holds the version it admits at until it has taken
+        in a newer one, so a version published meanwhile cannot drop it)."""
         version = self._current + 1
         mean = _frozen_fp32(pv.mean, f"version {version}: mean")
         sigma = None if pv.sigma is None else _frozen_fp32(pv.sigma, f"version {version}: sigma")
@@ -127,7 +129,7 @@ class PosteriorServer:
             raise ValueError(f"version {version}: sigma is None, but the {cfg.kind} plan has seeded "
                              "slots (publish σ, or use kind='grpo')")
         self._versions[version] = _Version(mean, sigma, plan, pv.learner_step, pv.reason, pv.mean_checksum)
-        self._refs.setdefault(version, 0)
+        self._refs[version] = self._refs.get(version, 0) + int(hold)
         self._current = version
         self._evict()
         return self.version_plan(version)

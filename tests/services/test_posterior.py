@@ -82,6 +82,21 @@ def test_bad_publications_are_rejected_with_the_field():
         PosteriorConfig(kind="ppo")
 
 
+def test_a_held_version_outlives_newer_publishes_until_its_holder_lets_go():
+    # the driver publishes with a hold and releases the previous version only once it has adopted the
+    # new one: admissions it sends in between still name the previous version and must find it
+    server = PosteriorServer(PosteriorConfig(kind="b3po", n_slots=1, keep_versions=1))
+    server.publish(_pv(0), hold=True)
+    server.publish(_pv(1), hold=True)
+    server.publish(_pv(2), hold=True)  # published before the driver took in version 1
+    server.acquire(0, n=2)  # admissions at the version the driver still admits at
+    assert server.versions() == [0, 1, 2] and server.refcount(1) == 1
+    server.release(0)  # the driver adopts 1, letting go of 0
+    server.release(0, n=2)
+    server.release(1)  # ... then 2
+    assert server.versions() == [2] and server.refcount(2) == 1
+
+
 def test_a_referenced_old_version_stays_until_released():
     server = _server(PosteriorConfig(kind="b3po", n_slots=1, keep_versions=1), upto=1)
     server.acquire(1, n=3)
