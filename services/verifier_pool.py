@@ -106,6 +106,10 @@ class VerifierConfig:
     route: tuple[tuple[str, str], ...] = ()
     """(verifier a row names, verifier that scores it instead): a run-level override of
     `TaskItem.verifier`, e.g. [["code_output", "remote_sandbox"]]."""
+    options: tuple[tuple[str, str, str], ...] = ()
+    """Options of built-in or plug-in verifiers as (verifier, option, value), e.g. [["math", "answer",
+    "last_number"]] (GSM8K's flexible extraction for models that do not box answers) or [["math", "mode",
+    "process"]]: string-valued options only (services/verifiers/*.py say which a verifier takes)."""
     endpoints: tuple[str, ...] = ("http://127.0.0.1:8080",)
     """Remote sandbox base URLs (SandboxFusion API), used round-robin."""
     auth_env: str = ""
@@ -167,7 +171,7 @@ class VerifierConfig:
         return VerifierPoolConfig(max_concurrency=self.max_concurrency, infra_retries=self.infra_retries,
                                   backoff_base_s=self.backoff_base_s, backoff_max_s=self.backoff_max_s,
                                   jitter=self.jitter, seed=self.seed, route=self.route,
-                                  options=(("remote_sandbox", "config", self.remote_config(token)),))
+                                  options=(*self.options, ("remote_sandbox", "config", self.remote_config(token))))
 
     def remote_config(self, token: str | None = None) -> RemoteSandboxConfig:
         """The remote sandbox client's settings; the token is read from `auth_env` now unless given."""

@@ -83,3 +83,13 @@ def normalize_number(text: str) -> str | None:
     s = re.sub(r"^(\d+)\.(?:0*)(?=(\\%)?$)", r"\1", s)  # 1234. and 1234.00 -> 1234
     s = sign + s
     return s if NUMBER.fullmatch(s) else None
+
+
+_LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def last_number(text: str) -> str | None:
+    """The last number written in `text` (thousands separators kept for `normalize_number`, a
+    sentence's full stop not taken as a decimal point), or None: GSM8K's flexible extraction."""
+    found = _LAST_NUMBER.findall(text)
+    return found[-1].rstrip(",") if found else None

@@ -48,7 +48,7 @@ from fractions import Fraction
 from typing import Any
 
 from threepo.services.messages import VerifyRequest, VerifyResult, VerifyStatus
-from threepo.services.verifiers.math_answers import final_boxed, normalize_number
+from threepo.services.verifiers.math_answers import final_boxed, last_number, normalize_number
 
 MODES = ("inline", "process")
 
@@ -74,12 +74,18 @@ class MathVerifierConfig:
     max_trailing_chars: int = 64
     """Most characters of plain text (no digits, braces or LaTeX commands) allowed after the final
     box; more is `malformed`."""
+    answer: str = "boxed"
+    """Where the answer is: "boxed" (the final `\\boxed{}`, as above) or "last_number" (the final box
+    when there is one, else the last number of a terminated completion: GSM8K's flexible extraction,
+    for models that do not box their answers; a completion with neither is `malformed`)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"MathVerifierConfig.mode: expected one of {MODES}, got {self.mode!r}")
         if self.workers < 1:
             raise ValueError(f"MathVerifierConfig.workers: expected >= 1, got {self.workers}")
+        if self.answer not in ("boxed", "last_number"):
+            raise ValueError(f"MathVerifierConfig.answer: expected 'boxed' or 'last_number', got {self.answer!r}")
         if self.max_trailing_chars < 0:
             raise ValueError(f"MathVerifierConfig.max_trailing_chars: expected >= 0, "
                              f"got {self.max_trailing_chars}")
@@ -97,13 +103,17 @@ class MathVerifierConfig:
 _COUNTDOWN_CHARS = re.compile(r"[0-9+\-*/() ]+")
 
 
-def _precheck(request: VerifyRequest, max_trailing_chars: int = 64) -> tuple[str | None, str]:
-    """The boxed answer, or None and why the completion earns nothing regardless of its answer."""
+def _precheck(request: VerifyRequest, max_trailing_chars: int = 64, answer: str = "boxed") -> tuple[str | None, str]:
+    """The answer (boxed, or with `answer="last_number"` the last number of an unboxed completion), or
+    None and why the completion earns nothing regardless of its answer."""
     if request.finish_reason == "length":
         return None, "truncated: the completion hit the length limit without ending"
     if request.finish_reason != "stop":
         raise ValueError(f"VerifyRequest.finish_reason: expected 'stop' or 'length', "
                          f"got {request.finish_reason!r}")
+    if answer == "last_number" and "\\boxed" not in request.completion and "\\fbox" not in request.completion:
+        number = last_number(request.completion)
+        return (number, "") if number is not None else (None, "no \\boxed{} answer and no number")
     return final_boxed(request.completion, max_trailing_chars)
 
 
@@ -316,10 +326,10 @@ class MathVerifier:
 
     async def verify(self, request: VerifyRequest) -> VerifyResult:
         started = time.perf_counter()
-        answer, why = _precheck(request, self.config.max_trailing_chars)
+        cfg = self.config
+        answer, why = _precheck(request, cfg.max_trailing_chars, cfg.answer)
         if answer is None:
             return _result(VerifyStatus.MALFORMED, why, started)
-        cfg = self.config
         args = (request.item.answer, answer, cfg.parsing_timeout_s, cfg.verify_timeout_s,
                 cfg.require_numeric_literal)
         if self._pool is not None:

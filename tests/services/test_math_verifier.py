@@ -189,3 +189,25 @@ def test_countdown_format_rules_and_bad_items():
     assert score(verifier, task, "\\boxed{" + "+".join(["3"] * 150) + "}").status is MALFORMED
     with pytest.raises(ValueError, match="numbers"):
         score(verifier, item("56", verifier="countdown"), "\\boxed{56}")
+
+
+def test_last_number_extraction_for_models_that_do_not_box():
+    from threepo.deploy.config import load_config
+    from threepo.services.verifier_pool import VerifierPool
+
+    item = TaskItem(uid="g", prompt="q", answer="1000")
+    pool = VerifierPool(load_config(None, ['verifier.options=[["math", "answer", "last_number"]]']).verifier
+                        .pool_config(""))
+    cases = [("So Eli has 600 + 400 = 1,000 coins.", "stop", VerifyStatus.OK),
+             ("So 999 coins.", "stop", VerifyStatus.WRONG),
+             ("The answer is \\boxed{1000}.", "stop", VerifyStatus.OK),        # a box still counts
+             ("1000 or \\boxed{N}", "stop", VerifyStatus.WRONG),              # ... by its rules, not the number
+             ("600 + 400 = 1000", "length", VerifyStatus.MALFORMED),          # truncated
+             ("no number at all", "stop", VerifyStatus.MALFORMED)]
+    results = pool.verify_batch([VerifyRequest(item, c, f) for c, f, _ in cases])
+    pool.close()
+    assert [r.status for r in results] == [s for _, _, s in cases], [r.details for r in results]
+    boxed = load_verifier("math")  # the default wants the box
+    assert asyncio.run(boxed.verify(VerifyRequest(item, cases[0][0]))).status is VerifyStatus.MALFORMED
+    with pytest.raises(ValueError, match="MathVerifierConfig.answer"):
+        load_verifier("math", answer="first_number")
