@@ -18,7 +18,8 @@ on a private duplicate of stdout taken before the program ran, and ends the proc
 What this holds against (each has a test in tests/services/test_code_harness.py): an early exit of any
 kind before or inside the tests (`sys.exit`, `exit()`, `os._exit(0)`, `raise SystemExit`, killing its
 own process), exit hooks (`atexit`) and a replaced `sys.excepthook`, a closed, redirected or replaced
-stdout (`sys.stdout`, fd 1), printing a fake report (it lacks the token), a `check` defined by the
+stdout (`sys.stdout`, fd 1), printing a fake report (it lacks the token; stdin is emptied and its
+file unlinked before the program runs), a `check` defined by the
 program (the tests define theirs after it), replaced builtins (`builtins.AssertionError`, `exec`,
 `compile`, `print`, `isinstance`: the harness holds its own references, and the tests run with the
 builtins as they were before the program ran), and a report fd the program closes or redirects (the
@@ -34,6 +35,7 @@ Those need a test design that does not trust the candidate's objects, or a secon
 
 from __future__ import annotations
 
+import re
 import secrets
 
 _VERDICTS = ("passed", "wrong", "error", "program")
@@ -46,6 +48,10 @@ _HARNESS = '''\
 def _threepo_harness(program, tests):
     import builtins, os, sys
     token = sys.stdin.buffer.read(64).strip().decode("ascii", "replace")
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)  # the token cannot be read again from fd 0 (the sandbox unlinked the file behind it)
+    os.close(null)
+    sys.stdin = open(0, closefd=False)
     report_fd = os.dup(1)
     write, end, exc_info = os.write, os._exit, sys.exc_info
     run, BaseExc, AssertionErr, SysExit = exec, BaseException, AssertionError, SystemExit
@@ -103,7 +109,10 @@ def new_token() -> str:
 
 def harness_program(program: str, tests: tuple[str, ...] | list[str]) -> str:
     """The source that runs `program` and then each of `tests` (Python statements) under the harness."""
-    return _HARNESS.replace("{program!r}", repr(program)).replace("{tests!r}", repr(tuple(tests)))
+    # one pass: a program whose text holds a marker must not have it filled in (that would splice code
+    # into the harness)
+    literals = {"program": repr(program), "tests": repr(tuple(tests))}
+    return re.sub(r"\{(program|tests)!r\}", lambda m: literals[m.group(1)], _HARNESS)
 
 
 def read_report(stdout: str, token: str) -> tuple[str, int, int, str] | None:

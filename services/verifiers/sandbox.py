@@ -309,6 +309,8 @@ class LocalSandbox:
         # a half-built sandbox PID 1 holding our pipes. Here every exit path kills the group.
         try:
             with open(stdin_path, "rb") if stdin_path.exists() else open(os.devnull, "rb") as stdin:
+                if stdin.name == str(stdin_path):  # the program reads it on fd 0 only, never by its name
+                    stdin_path.unlink()
                 proc = subprocess.Popen(argv, cwd=cwd, env={}, stdin=stdin, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, start_new_session=True,
                                         pass_fds=(started_w,), preexec_fn=lambda: _set_limits(cfg))

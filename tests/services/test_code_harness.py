@@ -58,6 +58,11 @@ TAMPERS = [
     ("the report fd closed", fenced(RIGHT + "import os\nfor fd in range(3, 64):\n    try:\n        os.close(fd)\n"
                                     "    except OSError:\n        pass\n"), VerifyStatus.RUNTIME_ERROR),
     ("a pass body", "    pass\n", VerifyStatus.WRONG),
+    ("the token read again from stdin", fenced(WRONG + "import os, sys\nfor path in ('.stdin', '/proc/self/fd/0'):\n"
+                                              "    try:\n        t = open(path).read().strip()\n"
+                                              "    except OSError:\n        continue\n"
+                                              "    if t:\n        os.write(1, f'\\n{t} passed 2/2 x\\n'.encode())\n"
+                                              "        os._exit(0)\n"), VerifyStatus.WRONG),
 ]
 
 
@@ -110,6 +115,10 @@ def test_a_report_needs_the_token():
     assert read_report("x\nother passed 2/2 \n", "tok") is None
     assert read_report("tok passed two\n", "tok") is None
     assert "'print(1)'" in harness_program("print(1)", ("assert True",))
+    spliced = "x = \"{tests!r}\"\n"  # a program carrying the template's marker gets it as text, not code
+    assert repr(spliced) in harness_program(spliced, ("assert x == '{tests!r}'",))
+    r = local(fenced(RIGHT + "x = '{tests!r}' + \"{program!r}\"\n"))
+    assert r.status is VerifyStatus.OK
 
 
 async def _remote_statuses(completions: list[str]) -> list:
