@@ -183,4 +183,10 @@ def test_real_model_mistakes_are_one_line(runs, tmp_path, tiny_dense_path):
                    "prompt.template='auto'", "cannot be applied with a system message", "System role not supported")
     one_line_error(threepo("eval", "prompt.template=/no/such.jinja", f"runs_dir={runs}"),
                    "prompt.template='/no/such.jinja'", "no such file")
+    bare = tmp_path / "no-tokenizer"  # weights and config, but no tokenizer saved beside them
+    bare.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(os.path.join(tiny_dense_path, name), bare / name)
+    one_line_error(threepo("eval", f"model.path={bare}", f"runs_dir={runs}"),
+                   f"model.path='{bare}'", "no tokenizer_config.json", "with its tokenizer")
     assert not list(runs.iterdir())
