@@ -53,9 +53,10 @@ TRL trains with no Ray cluster up (a threepo side's local cluster is shut down b
 converted: services/modeling.py `smollm2_checkpoint`), on GSM8K-shaped word problems threepo writes
 (services/word_problems.py, difficulty 1; 10% held out by a hash of each question), 20 steps x 8
 prompts x 8 rollouts x 64 tokens by default (`REAL`). The prompt is the model's chat template on both
-sides: TRL gets conversational prompts (the encoder's `messages`: the question and the instruction
-`real_model.INSTRUCTION`) and applies the template itself, threepo applies it in its prompt encoder —
-the same token ids. Both sides compute in bf16 (TRL `bf16=True`; threepo `learner.bf16` and
+sides: TRL gets conversational prompts (the encoder's `messages`: the question, no instruction) and
+applies the template itself, threepo applies it in its prompt encoder — the same token ids. Answers
+are scored by their last number on both sides (`verifier.options=[["math", "answer", "last_number"]]`:
+this model does not box its answers; benchmarks/real_model.py says more). Both sides compute in bf16 (TRL `bf16=True`; threepo `learner.bf16` and
 `sampler.dtype=bfloat16`), AdamW at lr 1e-5; C3PO's IVON with σ ≈ 1e-3 (`optim.ess=1e7`) and a step
 clip of 1e-5 (`optim.clip_radius`), so a step moves a weight about as far as AdamW's. Held-out
 pass@1 is greedy over 64 items.
@@ -232,8 +233,6 @@ def main() -> None:
     args.rounds = args.rounds or (1 if args.quick else 2)
     overrides = [*(QUICK if args.quick else ()), *args.overrides]
     if args.real:
-        from real_model import INSTRUCTION
-
         from threepo.services.modeling import smollm2_checkpoint
         from threepo.services.word_problems import write_gsm8k
 
@@ -241,7 +240,8 @@ def main() -> None:
         os.makedirs(_common.RESULTS_DIR, exist_ok=True)
         data = write_gsm8k(os.path.join(_common.RESULTS_DIR, "word_problems_d1.jsonl"), 2000, difficulty=1)
         args.model = smollm2_checkpoint(cache)
-        overrides = [*REAL, f"data.path={data}", f"prompt.instruction={INSTRUCTION}", *overrides]
+        overrides = [*REAL, f"data.path={data}", "prompt.instruction=", 'verifier.options=[["math", "answer", "last_number"]]',
+                     *overrides]
     model = _common.model_path(args)
     work = args.keep or tempfile.mkdtemp(prefix="threepo-vs-trl-")
     os.makedirs(work, exist_ok=True)
