@@ -1,7 +1,7 @@
 """The one tokenization place (services/prompting.py): chat templates applied as transformers applies
 them, BOS once, raw text for models without a template, the stop tokens of tokenizer, generation
 config and template, pad = EOS where a model has none, and one clear line for a template that
-cannot be applied. (A real BPE model with its own template: tests/real_model/.)"""
+cannot be applied. (A real BPE model with its own template: tests/engines/test_real_model.py.)"""
 
 from __future__ import annotations
 
