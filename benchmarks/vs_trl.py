@@ -64,7 +64,7 @@ pass@1 is greedy over 64 items.
     pip install -e '.[bench]'
     python3 benchmarks/vs_trl.py [--steps 250] [--rounds 2] [--only trl grpo c3po] [section.field=value ...]
     python3 benchmarks/vs_trl.py --quick --model tiny       # smoke: a few steps, a small evaluation
-    python3 benchmarks/vs_trl.py --real --rounds 1          # SmolLM2-135M on word problems (~1.5 h)
+    python3 benchmarks/vs_trl.py --real --rounds 1          # SmolLM2-135M on word problems (~1.5 h; --steps 10 ~40 min)
 """
 
 from __future__ import annotations
