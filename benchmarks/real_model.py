@@ -35,6 +35,8 @@ import time
 import _common
 
 INSTRUCTION = "Give the final answer as \\boxed{N}, where N is the number."
+# how answers are asked for and scored where the model is trained (it does not box them: module docstring)
+LAST_NUMBER = ("prompt.instruction=", 'verifier.options=[["math", "answer", "last_number"]]')
 
 
 def model_and_data(args) -> tuple[str, str]:
@@ -200,9 +202,9 @@ def learn_part(model: str, data: str, args) -> dict:
 
     overrides = run_overrides(model, data, args) + [
         f"runtime.steps={args.steps}", "eval.around_training=false", f"optim.lr={args.lr}",
-        f"eval.num_items={args.eval_items}", "prompt.instruction=", 'verifier.options=[["math", "answer", "last_number"]]',
-        "sampler.temperature=0.7", f"sampler.max_new_tokens={args.learn_tokens}", f"algo.group_size={args.learn_group}",
-        *args.overrides]
+        f"eval.num_items={args.eval_items}", *LAST_NUMBER, "sampler.temperature=0.7",
+        f"sampler.max_new_tokens={args.learn_tokens}", f"algo.group_size={args.learn_group}",
+        *args.overrides]  # the user's overrides again, last: they win over this part's settings too
     cfg = _common.config(model, overrides, recipe="grpo_baseline")
 
     def heldout(path: str) -> dict:

@@ -233,6 +233,8 @@ def main() -> None:
     args.rounds = args.rounds or (1 if args.quick else 2)
     overrides = [*(QUICK if args.quick else ()), *args.overrides]
     if args.real:
+        from real_model import LAST_NUMBER
+
         from threepo.services.modeling import smollm2_checkpoint
         from threepo.services.word_problems import write_gsm8k
 
@@ -240,8 +242,7 @@ def main() -> None:
         os.makedirs(_common.RESULTS_DIR, exist_ok=True)
         data = write_gsm8k(os.path.join(_common.RESULTS_DIR, "word_problems_d1.jsonl"), 2000, difficulty=1)
         args.model = smollm2_checkpoint(cache)
-        overrides = [*REAL, f"data.path={data}", "prompt.instruction=", 'verifier.options=[["math", "answer", "last_number"]]',
-                     *overrides]
+        overrides = [*REAL, f"data.path={data}", *LAST_NUMBER, *overrides]
     model = _common.model_path(args)
     work = args.keep or tempfile.mkdtemp(prefix="threepo-vs-trl-")
     os.makedirs(work, exist_ok=True)

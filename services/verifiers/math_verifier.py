@@ -48,7 +48,7 @@ from fractions import Fraction
 from typing import Any
 
 from threepo.services.messages import VerifyRequest, VerifyResult, VerifyStatus
-from threepo.services.verifiers.math_answers import final_boxed, last_number, normalize_number
+from threepo.services.verifiers.math_answers import NO_BOX, final_boxed, last_number, normalize_number
 
 MODES = ("inline", "process")
 
@@ -111,10 +111,11 @@ def _precheck(request: VerifyRequest, max_trailing_chars: int = 64, answer: str 
     if request.finish_reason != "stop":
         raise ValueError(f"VerifyRequest.finish_reason: expected 'stop' or 'length', "
                          f"got {request.finish_reason!r}")
-    if answer == "last_number" and "\\boxed" not in request.completion and "\\fbox" not in request.completion:
+    boxed, why = final_boxed(request.completion, max_trailing_chars)
+    if boxed is None and why == NO_BOX and answer == "last_number":
         number = last_number(request.completion)
         return (number, "") if number is not None else (None, "no \\boxed{} answer and no number")
-    return final_boxed(request.completion, max_trailing_chars)
+    return boxed, why
 
 
 _INTEGER = re.compile(r"[+-]?\d+")

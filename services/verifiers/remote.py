@@ -366,7 +366,7 @@ class SandboxClient:
 
 class RemoteSandboxVerifier:
     """`remote_sandbox`: `code_output` semantics, or `code_tests` (the same test harness, its token sent
-    as the program's stdin) when the item is a `code_tests` item or has tests, executed by a remote
+    as the program's stdin) when the item has tests (every `code_tests` item has), executed by a remote
     sandbox service. `options` are `RemoteSandboxConfig` fields."""
 
     name = "remote_sandbox"
@@ -379,8 +379,7 @@ class RemoteSandboxVerifier:
 
     async def verify(self, request: VerifyRequest) -> VerifyResult:
         start = time.monotonic()
-        with_tests = request.item.verifier == "code_tests" or bool(request.item.tests)
-        prepared, early = prepare(request, with_tests)
+        prepared, early = prepare(request, bool(request.item.tests))  # a code_tests item always has tests
         if early is not None:
             return early
         try:
@@ -390,8 +389,7 @@ class RemoteSandboxVerifier:
         compiled = response.compile_result
         if compiled is not None and (compiled.status != "Finished" or compiled.return_code != 0):
             return result(VerifyStatus.COMPILE_ERROR, compiled.stderr[-300:], start)
-        return score_run(to_run_result(response), None if with_tests else request.item.answer,
-                         start, prepared.token)
+        return score_run(to_run_result(response), prepared.expected, start, prepared.token)
 
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -17,7 +17,8 @@ Layers (operations.md §3.5), each of which a hostile program meets:
    program keeps the caller's (already unprivileged) uid.
 3. rlimits set in the child before exec (CPU time, address space, processes, file size, open
    files), a wall-clock deadline that SIGKILLs the whole process group (and with it bwrap's PID
-   namespace), capped stdout/stderr read incrementally, an empty environment, stdin closed.
+   namespace), capped stdout/stderr read incrementally, an empty environment, and on stdin only
+   what the caller gives (from a file with no name; empty otherwise).
 
 Where bwrap is missing or refused by the platform the sandbox raises `SandboxUnavailableError`;
 `isolation="unconfined"` runs with rlimits only, and only when asked for, logging loudly which
@@ -276,18 +277,15 @@ class LocalSandbox:
                 cfg = replace(cfg, uid=uid)
             workdir = tempfile.mkdtemp(prefix="threepo-sandbox-")
             try:
-                self._populate(workdir, code, stdin, files or {}, cfg)
-                return await self._execute(cfg, workdir)
+                self._populate(workdir, code, files or {}, cfg)
+                return await self._execute(cfg, workdir, stdin)
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
                 if lease is not None:
                     os.close(lease)  # releases the flock
 
-    def _populate(self, workdir: str, code: str, stdin: str | None, files: dict[str, bytes],
-                  cfg: SandboxConfig) -> None:
+    def _populate(self, workdir: str, code: str, files: dict[str, bytes], cfg: SandboxConfig) -> None:
         Path(workdir, "main.py").write_text(code)
-        if stdin is not None:
-            Path(workdir, ".stdin").write_text(stdin)
         for name, content in files.items():
             target = Path(workdir, _safe_relpath(name))
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -297,9 +295,8 @@ class LocalSandbox:
             for path in [workdir, *(str(p) for p in Path(workdir).rglob("*"))]:
                 os.chown(path, cfg.uid, cfg.uid)
 
-    async def _execute(self, cfg: SandboxConfig, workdir: str) -> RunResult:
+    async def _execute(self, cfg: SandboxConfig, workdir: str, stdin_text: str | None) -> RunResult:
         started_r, started_w = os.pipe()
-        stdin_path = Path(workdir, ".stdin")
         if cfg.isolation == "bwrap":
             argv, cwd = _bwrap_argv(cfg, workdir, started_w), None
         else:
@@ -308,9 +305,10 @@ class LocalSandbox:
         # A plain Popen, not asyncio's: its cancellation path kills bwrap alone, which can strand
         # a half-built sandbox PID 1 holding our pipes. Here every exit path kills the group.
         try:
-            with open(stdin_path, "rb") if stdin_path.exists() else open(os.devnull, "rb") as stdin:
-                if stdin.name == str(stdin_path):  # the program reads it on fd 0 only, never by its name
-                    stdin_path.unlink()
+            # stdin from a file without a name: the program reads it on fd 0 only, nowhere in its directory
+            with tempfile.TemporaryFile() as stdin:
+                stdin.write((stdin_text or "").encode())
+                stdin.seek(0)
                 proc = subprocess.Popen(argv, cwd=cwd, env={}, stdin=stdin, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, start_new_session=True,
                                         pass_fds=(started_w,), preexec_fn=lambda: _set_limits(cfg))

@@ -6,14 +6,12 @@ import asyncio
 import shutil
 
 import pytest
-from aiohttp import web
+from test_remote_sandbox import client_config, serve
 
 from threepo.services.messages import TaskItem, VerifyRequest, VerifyStatus
 from threepo.services.verifiers.code_verifiers import code_output, code_tests, extract_program, program_of
 from threepo.services.verifiers.harness import harness_program, read_report
-from threepo.services.verifiers.remote import RemoteSandboxConfig, RemoteSandboxVerifier
-from threepo.services.verifiers.sandbox import SandboxConfig
-from threepo.services.verifiers.sandbox_server import SandboxServerConfig, make_app
+from threepo.services.verifiers.remote import RemoteSandboxVerifier
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap missing: apt-get install -y bubblewrap")
@@ -122,13 +120,8 @@ def test_a_report_needs_the_token():
 
 
 async def _remote_statuses(completions: list[str]) -> list:
-    config = SandboxServerConfig(port=0, workers=4, sandbox=SandboxConfig(wall_timeout_s=5.0))
-    runner = web.AppRunner(make_app(config))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    verifier = RemoteSandboxVerifier(RemoteSandboxConfig(endpoints=(url,), run_timeout_s=5.0))
+    runner, url = await serve()  # the sandbox service on loopback, as test_remote_sandbox starts it
+    verifier = RemoteSandboxVerifier(client_config(url, queue_timeout_s=30.0))
     try:
         return await asyncio.gather(*(verifier.verify(VerifyRequest(ITEM, c)) for c in completions))
     finally:
