@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
-from threepo.algorithms.param_noise import load_perturbed, noise_like, posterior_sigma
+from threepo.algorithms.param_noise import SigmaView, load_perturbed, noise_like, posterior_sigma
 
 HESS_APPROX = ("price", "gradsq")
 _STATE_KINDS = ("mean", "hess", "momentum")
@@ -117,7 +117,6 @@ class IVON(torch.optim.Optimizer):
                         weight_decay=weight_decay, clip_radius=clip_radius, rescale_lr=rescale_lr,
                         debias=debias, hess_approx=hess_approx, step=0)
         super().__init__(named_params, defaults)
-        self._sigmas: dict[str, tuple] = {}  # name -> (h, its version and λ, δ, σ): `_sigma`'s cache
         for name, p in self._named():
             mean = p.detach().to(torch.float32, copy=True)
             self.state[name] = {"mean": mean, "hess": torch.full_like(mean, hess_init),
@@ -134,12 +133,9 @@ class IVON(torch.optim.Optimizer):
         self._avg: dict[str, dict[str, torch.Tensor]] = {}
 
     def _sigma(self, name: str) -> torch.Tensor:
-        """σ of `name`, kept until h is replaced or written in place or λ or δ change."""
-        group, hess = self.param_groups[0], self.state[name]["hess"]
-        key = (hess._version, group["ess"], group["weight_decay"])
-        if (held := self._sigmas.get(name)) is None or held[0] is not hess or held[1] != key:
-            held = self._sigmas[name] = (hess, key, posterior_sigma(hess, group["ess"], group["weight_decay"]))
-        return held[2]
+        """σ of `name` from the current h (none kept: a whole fp32 copy of the model saved)."""
+        group = self.param_groups[0]
+        return posterior_sigma(self.state[name]["hess"], group["ess"], group["weight_decay"])
 
     @contextlib.contextmanager
     def sampled_params(self, seed: int | None, train: bool = True, scale: float = 1.0) -> Iterator[None]:
@@ -223,10 +219,11 @@ class IVON(torch.optim.Optimizer):
             for name, p in self._named():
                 p.copy_(self.state[name]["mean"])
 
-    def sigma_by_name(self) -> dict[str, torch.Tensor]:
-        """σ = 1 / sqrt(λ (h + δ)) per parameter (§1.1): {name: fp32 [shape]}, held until h changes:
-        do not modify."""
-        return {name: self._sigma(name) for name, _ in self._named()}
+    def sigma_by_name(self) -> Mapping[str, torch.Tensor]:
+        """σ = 1 / sqrt(λ (h + δ)) per parameter (§1.1): {name: fp32 [shape]}, each tensor computed
+        when it is read (a fresh tensor per read; iterate once rather than index repeatedly)."""
+        group = self.param_groups[0]
+        return SigmaView(self.hess_by_name(), group["ess"], group["weight_decay"])
 
     def mean_by_name(self) -> dict[str, torch.Tensor]:
         """The fp32 master mean m per parameter: live state tensors, do not modify."""
@@ -237,9 +234,10 @@ class IVON(torch.optim.Optimizer):
         return {name: self.state[name]["hess"] for name, _ in self._named()}
 
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """The §1.6 layout: tensors {'mean/<name>', 'hess/<name>', 'momentum/<name>'} (fp32, CPU
-        copies) and metadata {step_t, the hyperparameters, param_order, shapes} (JSON-able)."""
-        tensors = {f"{kind}/{name}": self.state[name][kind].detach().to("cpu", copy=True)
+        """The §1.6 layout: tensors {'mean/<name>', 'hess/<name>', 'momentum/<name>'} (fp32 on the CPU;
+        the live state where it is there: write them out before the next step) and metadata
+        {step_t, the hyperparameters, param_order, shapes} (JSON-able)."""
+        tensors = {f"{kind}/{name}": self.state[name][kind].detach().to("cpu")
                    for name, _ in self._named() for kind in _STATE_KINDS}
         group = self.param_groups[0]
         meta = {"step_t": int(group["step"]), **{k: group[k] for k in _HYPER},
@@ -298,3 +296,5 @@ class IVON(torch.optim.Optimizer):
         sigma0 = 1.0 / math.sqrt(group["ess"] * (group["hess_init"] + group["weight_decay"]))
         out = {f"p{100 * q:g}": float(v) for q, v in zip(quantiles, quant)}
         return {**out, "max": top, "max_over_init": top / sigma0}
+
+

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
@@ -39,6 +39,23 @@ def noise_like(seed: int, name: str, shape: Iterable[int]) -> torch.Tensor:
 def posterior_sigma(hess: torch.Tensor, ess: float, weight_decay: float) -> torch.Tensor:
     """σ = 1 / sqrt(λ (h + δ))   (algorithms.md §1.1). Shapes: hess [*] -> [*], fp32."""
     return torch.rsqrt(ess * (hess.float() + weight_decay))
+
+
+class SigmaView(Mapping):
+    """σ of each named tensor, computed from its h (`posterior_sigma`) when read, none kept: a
+    posterior's σ without a second fp32 copy of the model (a fresh tensor per read)."""
+
+    def __init__(self, hess: Mapping[str, torch.Tensor], ess: float, weight_decay: float) -> None:
+        self.hess, self.ess, self.weight_decay = hess, ess, weight_decay
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return posterior_sigma(self.hess[name], self.ess, self.weight_decay)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.hess)
+
+    def __len__(self) -> int:
+        return len(self.hess)
 
 
 def perturbed(mean: torch.Tensor, sigma: torch.Tensor, seed: int | None, name: str,

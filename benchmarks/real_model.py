@@ -141,23 +141,31 @@ def engine_part(model: str, data: str, args) -> dict:
 class MachineMemory:
     """The memory of every process on the machine — the sum of their proportional set sizes (PSS:
     a shared page counts once in all, split among the processes that map it; Ray's object store
-    included) — sampled every 0.5 s; `stop` gives its peak above the sum at start (MiB)."""
+    included) — sampled every 0.5 s; `stop` gives its peak above the sum at start (MiB). `by_name`:
+    each process name's peak PSS (MiB; Ray's actors by class, e.g. `SamplerActor`, its idle workers `IDLE`), which,
+    unlike the roles' peak RSS, does not count the object store's pages in every process that reads them."""
 
     def __init__(self) -> None:
         import psutil
 
-        self.psutil, self.stop_flag = psutil, False
+        self.psutil, self.stop_flag, self.by_name = psutil, False, {}
         self.base = self.peak = self._pss()
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
 
     def _pss(self) -> int:
-        total = 0
+        total, names = 0, {}
         for proc in self.psutil.process_iter():
             try:
-                total += proc.memory_full_info().pss
+                pss, title = proc.memory_full_info().pss, proc.cmdline()
             except (self.psutil.NoSuchProcess, self.psutil.AccessDenied, self.psutil.ZombieProcess):
                 continue
+            total += pss
+            # Ray's titles: ray::IDLE, ray::SamplerActor.generate, ray::<run>-sampler-0:SamplerActor
+            name = (title[0].split(".")[0].split(":")[-1] if title and title[0].startswith("ray::") else proc.name())
+            names[name] = names.get(name, 0) + pss
+        for name, pss in names.items():
+            self.by_name[name] = max(self.by_name.get(name, 0), pss)
         return total
 
     def _loop(self) -> None:
@@ -169,6 +177,10 @@ class MachineMemory:
         self.stop_flag = True
         self.thread.join()
         return (self.peak - self.base) / 2**20
+
+    def named_mb(self, least_mb: float = 100) -> dict[str, float]:
+        """Peak PSS by process name (MiB), the names over `least_mb`."""
+        return {k: v / 2**20 for k, v in sorted(self.by_name.items()) if v >= least_mb * 2**20}
 
 
 def memory_part(model: str, data: str, args) -> dict:
@@ -182,8 +194,10 @@ def memory_part(model: str, data: str, args) -> dict:
         machine = meter.stop()
         roles = run["summary"]["peak_memory_mb"]
         out[name] = {"roles_mb": roles, "roles_total_mb": run["summary"]["peak_memory_total_mb"],
-                     "machine_mb": machine, "learner_step_s": statistics.mean(r["step_time_s"] for r in run["rows"])}
+                     "machine_mb": machine, "pss_by_process_mb": meter.named_mb(), "learner_step_s": statistics.mean(r["step_time_s"] for r in run["rows"])}
         print(f"[memory] {name}: machine +{machine:,.0f} MiB; " + ", ".join(f"{k} {v:,.0f}" for k, v in roles.items()),
+              file=sys.stderr)
+        print(f"[memory] {name}: peak PSS by process " + ", ".join(f"{k} {v:,.0f}" for k, v in out[name]["pss_by_process_mb"].items()),
               file=sys.stderr)
     rows = [[role, out["c3po"]["roles_mb"].get(role, 0.0), out["grpo"]["roles_mb"].get(role, 0.0)]
             for role in sorted(set(out["c3po"]["roles_mb"]) | set(out["grpo"]["roles_mb"]))]

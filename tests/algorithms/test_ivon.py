@@ -17,7 +17,7 @@ from threepo.algorithms.ivon import (
     momentum_update,
     price_hessian_estimate,
 )
-from threepo.algorithms.param_noise import noise_like, perturbed
+from threepo.algorithms.param_noise import noise_like, perturbed, posterior_sigma
 
 F64 = torch.float64
 
@@ -169,7 +169,8 @@ HP = dict(lr=0.5, ess=200.0, hess_init=0.5, beta1=0.9, beta2=0.99, weight_decay=
 
 
 def _run_ivon(w0, a, b, hp, seeds_per_step, opt=None):
-    w = torch.nn.Parameter(w0.clone().float())
+    """IVON from w0, or `opt` continued (on its own parameter), on the quadratic (a, b)."""
+    w = opt.param_groups[0]["params"][0] if opt else torch.nn.Parameter(w0.clone().float())
     opt = opt or IVON([("w", w)], **hp)
     for seeds in seeds_per_step:
         for seed in seeds:
@@ -335,6 +336,34 @@ def test_export_import_round_trip_continues_identically(tmp_path):
     _run_ivon(w0, a, b, HP, second, opt=fresh)
     for kind in ("mean", "hess", "momentum"):
         assert torch.equal(opt.state["w"][kind], fresh.state["w"][kind]), kind
+
+
+def _tensor_storages(obj, seen=None) -> set[int]:
+    """Storages of every tensor reachable from `obj` through dicts, lists, tuples and attributes."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        return {obj.untyped_storage().data_ptr()}
+    if id(obj) in seen or not isinstance(obj, (dict, list, tuple)) and not hasattr(obj, "__dict__"):
+        return set()
+    seen.add(id(obj))
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else vars(obj).values()
+    return set().union(*(_tensor_storages(x, seen) for x in items))
+
+
+def test_ivon_holds_m_h_and_momentum_only_and_exports_them_without_copies():
+    a, b = _quadratic()
+    opt = _run_ivon(torch.linspace(-1, 1, 4, dtype=F64), a, b, HP, [[1, 2], [3]])
+    (w,) = opt.param_groups[0]["params"]
+    state = {t.untyped_storage().data_ptr() for t in opt.state["w"].values()}
+    # σ is not kept beside h (a second fp32 copy of the model): computed from the current h when read
+    assert _tensor_storages(vars(opt)) - {w.untyped_storage().data_ptr()} == state and len(state) == 3
+    g = opt.param_groups[0]
+    assert torch.equal(opt.sigma_by_name()["w"], posterior_sigma(opt.state["w"]["hess"], g["ess"], g["weight_decay"]))
+    before = opt.sigma_by_name()["w"]
+    _run_ivon(None, a, b, HP, [[4]], opt=opt)
+    assert not torch.equal(opt.sigma_by_name()["w"], before)  # h moved, and σ with it
+    tensors, _ = opt.export_state()  # a checkpoint writes the live state: no second copy at its peak
+    assert {t.untyped_storage().data_ptr() for t in tensors.values()} == state
 
 
 def test_load_exported_state_names_the_problem():

@@ -130,6 +130,22 @@ def test_slots_decoded_together_sample_as_each_slot_served_alone(tiny_dense_path
     assert together[0][2][0][0].logprobs != together[3][2][0][0].logprobs
 
 
+def test_a_bf16_engine_builds_slots_from_the_published_fp32_mean_without_a_copy_of_its_own(tiny_dense_path):
+    engine = HFEngine(tiny_dense_path, SamplerConfig(batch_size=8, seed=3, dtype="bfloat16"))
+    mean = {n: p.detach().float().numpy() + np.float32(1e-4) for n, p in engine._params.items()}  # not bf16 values
+    sigma = {n: np.full(a.shape, 0.02, dtype=np.float32) for n, a in mean.items()}
+    checksum = param_noise.weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
+    engine.load_version(2, mean, sigma, checksum)
+    # m is the arrays handed in (views of the published object under Ray), not a private fp32 copy
+    assert all(engine._mean[n].data_ptr() == mean[n].ctypes.data for n in engine._params)
+    engine.generate_slots([(NoiseSpec(2, seed=5), [EngineRequest((5, 6), 1, seed=1)])], SamplingParams(max_new_tokens=2))
+    row = engine.bank.place([(5, 1.0)], lambda *_: pytest.fail("slot 5 is resident"))[0]
+    views = engine.layout.views(engine.bank.rows[row])
+    for n, a in mean.items():  # θ̂ = m + σ z from the fp32 m, then cast: the learner's θ̂ in bf16
+        want = param_noise.perturbed(torch.from_numpy(a), torch.from_numpy(sigma[n]), 5, n).to(torch.bfloat16)
+        assert torch.equal(views[n], want), n
+
+
 def test_slot_weights_corrupted_in_the_bank_are_flagged_then_rebuilt(tiny_dense_path):
     engine = HFEngine(tiny_dense_path, SamplerConfig(batch_size=8, seed=3))
     engine.load_version(1, *_posterior(engine))
