@@ -194,10 +194,12 @@ def memory_part(model: str, data: str, args) -> dict:
         machine = meter.stop()
         roles = run["summary"]["peak_memory_mb"]
         out[name] = {"roles_mb": roles, "roles_total_mb": run["summary"]["peak_memory_total_mb"],
-                     "machine_mb": machine, "pss_by_process_mb": meter.named_mb(), "learner_step_s": statistics.mean(r["step_time_s"] for r in run["rows"])}
+                     "machine_mb": machine, "pss_by_process_mb": meter.named_mb(),
+                     "learner_step_s": statistics.mean(r["step_time_s"] for r in run["rows"])}
         print(f"[memory] {name}: machine +{machine:,.0f} MiB; " + ", ".join(f"{k} {v:,.0f}" for k, v in roles.items()),
               file=sys.stderr)
-        print(f"[memory] {name}: peak PSS by process " + ", ".join(f"{k} {v:,.0f}" for k, v in out[name]["pss_by_process_mb"].items()),
+        named = out[name]["pss_by_process_mb"]
+        print(f"[memory] {name}: peak PSS by process " + ", ".join(f"{k} {v:,.0f}" for k, v in named.items()),
               file=sys.stderr)
     rows = [[role, out["c3po"]["roles_mb"].get(role, 0.0), out["grpo"]["roles_mb"].get(role, 0.0)]
             for role in sorted(set(out["c3po"]["roles_mb"]) | set(out["grpo"]["roles_mb"]))]
