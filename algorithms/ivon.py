@@ -281,11 +281,11 @@ class IVON(torch.optim.Optimizer):
         ~`max_points`) and the exact max σ; several shards' are concatenated for `sigma_summary`."""
         total = sum(p.numel() for _, p in self._named())
         stride = max(1, math.ceil(total / max(max_points, 1)))
-        points, top = [], 0.0
-        for name, _ in self._named():
-            sigma = self._sigma(name).flatten()
-            points.append(sigma[::stride].cpu())
-            top = max(top, float(sigma.max()))
+        points, top, group = [], 0.0, self.param_groups[0]
+        for name, _ in self._named():  # σ falls as h grows: its max is σ at the least h
+            hess = self.state[name]["hess"].flatten()
+            points.append(posterior_sigma(hess[::stride], group["ess"], group["weight_decay"]).cpu())
+            top = max(top, float(posterior_sigma(hess.min(), group["ess"], group["weight_decay"])))
         return torch.cat(points), top
 
     def sigma_summary(self, points: torch.Tensor, top: float,

@@ -37,8 +37,8 @@ def noise_like(seed: int, name: str, shape: Iterable[int]) -> torch.Tensor:
 
 
 def posterior_sigma(hess: torch.Tensor, ess: float, weight_decay: float) -> torch.Tensor:
-    """σ = 1 / sqrt(λ (h + δ))   (algorithms.md §1.1). Shapes: hess [*] -> [*], fp32."""
-    return torch.rsqrt(ess * (hess.float() + weight_decay))
+    """σ = 1 / sqrt(λ (h + δ))   (algorithms.md §1.1). Shapes: hess [*] -> [*], fp32 (one new tensor)."""
+    return (hess.float() + weight_decay).mul_(ess).rsqrt_()
 
 
 class SigmaView(Mapping):
