@@ -12,6 +12,10 @@ the driver's cores. It applies to a local cluster (`runtime.ray_address` empty) 
 learner process on CPU and a core to spare; elsewhere on a local cluster it does nothing and says why
 (a joined cluster's placement is the cluster's: Kubernetes' CPU limits, Ray's resources).
 
+`half_precision_note` says when a role on this machine's CPU is asked to compute in bf16 or fp16
+that the CPU has no instructions for: torch then emulates those matmuls, several times slower than
+fp32, and nothing else would say so.
+
 `drift_process` decides, the same way, whether the learner's drift process (`learner.drift_process`)
 has a core to run on: without one it takes CPU from the sampler engine, which then paces the run.
 `CorePlacement` takes that decision once, on the driver's cores before anything is placed, for
@@ -87,10 +91,12 @@ class CorePlacement:
         else:
             self.cores, self.why_not = cores, ""
         self.drift_process, self.drift_why = drift_process(cfg, self.original)  # before anything is placed
+        self.precision_why = half_precision_note(cfg)
 
     def lines(self) -> list[str]:
-        """What the driver prints about where the run's processes and the drift forward run."""
-        return [line for line in (str(self), self.drift_why) if line]
+        """What the driver prints about where the run's processes and the drift forward run, and
+        about half precision this CPU would emulate."""
+        return [line for line in (str(self), self.drift_why, self.precision_why) if line]
 
     def __str__(self) -> str:
         """What `place` does, or why it does nothing ('' where it was not asked to: off, or on a cluster)."""
@@ -137,6 +143,27 @@ def drift_process(cfg: RunConfig, cores: set[int] | None = None) -> tuple[bool, 
         return True, ""
     return False, (f"the drift forward runs in the learner: {len(cores)} core(s) leave none beside the learner's "
                    f"and the samplers' ({taken:g}) for its process (learner.drift_process)")
+
+
+def half_precision_note(cfg: RunConfig, native: bool | None = None) -> str:
+    """A line where a local run computes in half precision on this CPU (`learner.bf16` on a CPU
+    learner; the hf sampler serving bfloat16 or float16 on CPU) and the CPU lacks the instructions
+    for it (`native`, default: torch's AVX-512 BF16 or AMX probe); '' otherwise, and on a joined
+    cluster, whose nodes are not this CPU. On an AVX2 machine a bf16 matmul took 7.3x fp32's time."""
+    if cfg.runtime.ray_address:
+        return ""
+    asked = ["learner.bf16=true"] if cfg.learner.bf16 and cfg.learner.device == "cpu" else []
+    served = cfg.model.dtype if cfg.sampler.dtype == "auto" else cfg.sampler.dtype
+    if cfg.sampler.backend == "hf" and not cfg.runtime.sampler_gpus and served in ("bfloat16", "float16"):
+        asked.append(f"the hf sampler serving {served}")
+    if not asked:
+        return ""
+    if native is None:
+        import torch
+
+        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return "" if native else (f"{' and '.join(asked)} on a CPU without bf16 instructions (AVX-512 BF16 or AMX): "
+                              "torch emulates those matmuls, several times slower than fp32 here; fp32 is faster")
 
 
 def _cores(cores: set[int]) -> str:

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from threepo.deploy.config import load_config
-from threepo.deploy.cores import CorePlacement, descendants, drift_process, split
+from threepo.deploy.cores import CorePlacement, descendants, drift_process, half_precision_note, split
 
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
@@ -85,3 +85,15 @@ def test_processes_are_placed_and_given_back():
         for p in (learner, other):
             p.kill()
             p.wait()
+
+
+def test_half_precision_the_cpu_would_emulate_is_said_once_per_role():
+    both = load_config(None, ["learner.bf16=true", "sampler.dtype=bfloat16"])
+    line = half_precision_note(both, native=False)
+    assert "learner.bf16=true and the hf sampler serving bfloat16" in line and "AVX-512 BF16" in line
+    assert half_precision_note(both, native=True) == ""  # the CPU has the instructions
+    assert "hf sampler serving bfloat16" in half_precision_note(load_config(None, ["model.dtype=bfloat16"]), native=False)
+    assert half_precision_note(load_config(None, []), native=False) == ""  # fp32: nothing to say
+    assert half_precision_note(load_config(None, ["learner.bf16=true", "learner.device=cuda"]), native=False) == ""
+    assert half_precision_note(load_config(None, ["learner.bf16=true", "runtime.ray_address=auto"]), native=False) == ""
+    assert half_precision_note(load_config(None, ["sampler.dtype=bfloat16", "sampler.backend=vllm"]), native=False) == ""
