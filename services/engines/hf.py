@@ -124,9 +124,10 @@ class HFEngine:
         return self.bank.place([(s.seed, s.scale) for s in slots], build)
 
     def _mean_by_layout(self) -> dict[str, torch.Tensor]:
-        """m in fp32 for every name of the layout (frozen parameters: as the model holds them)."""
+        """m in fp32 for every name of the layout (frozen parameters, and every parameter of a bf16
+        engine before its first version, which has no σ: as the model holds them)."""
         params = dict(self.model.named_parameters())
-        return {n: self._mean[n] if n in self._params else params[n].detach() for n in self.layout.spans}
+        return {n: self._mean[n] if n in self._mean else params[n].detach() for n in self.layout.spans}
 
     def generate_slots(self, groups: Sequence[tuple[NoiseSpec, Sequence[EngineRequest]]],
                        params: SamplingParams) -> list[tuple[ServeReport, bool, list[list[GeneratedSample]]]]:

@@ -132,13 +132,16 @@ def test_slots_decoded_together_sample_as_each_slot_served_alone(tiny_dense_path
 
 def test_a_bf16_engine_builds_slots_from_the_published_fp32_mean_without_a_copy_of_its_own(tiny_dense_path):
     engine = HFEngine(tiny_dense_path, SamplerConfig(batch_size=8, seed=3, dtype="bfloat16"))
+    params = SamplingParams(max_new_tokens=2)
+    (report, unchanged, _), = engine.generate_slots([(NoiseSpec(0, seed=None), [EngineRequest((5, 6), 1, seed=1)])], params)
+    assert report.loaded_ok and unchanged  # before any version: the mean it loaded, as the model holds it
     mean = {n: p.detach().float().numpy() + np.float32(1e-4) for n, p in engine._params.items()}  # not bf16 values
     sigma = {n: np.full(a.shape, 0.02, dtype=np.float32) for n, a in mean.items()}
     checksum = param_noise.weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
     engine.load_version(2, mean, sigma, checksum)
     # m is the arrays handed in (views of the published object under Ray), not a private fp32 copy
     assert all(engine._mean[n].data_ptr() == mean[n].ctypes.data for n in engine._params)
-    engine.generate_slots([(NoiseSpec(2, seed=5), [EngineRequest((5, 6), 1, seed=1)])], SamplingParams(max_new_tokens=2))
+    engine.generate_slots([(NoiseSpec(2, seed=5), [EngineRequest((5, 6), 1, seed=1)])], params)
     row = engine.bank.place([(5, 1.0)], lambda *_: pytest.fail("slot 5 is resident"))[0]
     views = engine.layout.views(engine.bank.rows[row])
     for n, a in mean.items():  # θ̂ = m + σ z from the fp32 m, then cast: the learner's θ̂ in bf16
