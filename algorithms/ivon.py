@@ -132,11 +132,6 @@ class IVON(torch.optim.Optimizer):
         self._count = 0
         self._avg: dict[str, dict[str, torch.Tensor]] = {}
 
-    def _sigma(self, name: str) -> torch.Tensor:
-        """σ of `name` from the current h (none kept: a whole fp32 copy of the model saved)."""
-        group = self.param_groups[0]
-        return posterior_sigma(self.state[name]["hess"], group["ess"], group["weight_decay"])
-
     @contextlib.contextmanager
     def sampled_params(self, seed: int | None, train: bool = True, scale: float = 1.0) -> Iterator[None]:
         """Write θ̂ = m + c · σ ⊙ z(seed, name) into p.data (cast to its dtype), yield, restore m.
@@ -164,6 +159,7 @@ class IVON(torch.optim.Optimizer):
         # a whole copy of the model less at the learner's peak, for one more draw per update
         self._count += 1
         second = "nxg" if self.param_groups[0]["hess_approx"] == "price" else "gsq"
+        sigmas = self.sigma_by_name()
         for name, p in self._named():
             mean = self.state[name]["mean"]
             grad = torch.zeros_like(mean) if p.grad is None else p.grad.detach().to(torch.float32)
@@ -172,7 +168,7 @@ class IVON(torch.optim.Optimizer):
             elif seed is None:
                 moment = torch.zeros_like(mean)
             else:
-                moment = self._sigma(name) * noise_like(seed, name, mean.shape).to(mean.device) * grad
+                moment = sigmas[name] * noise_like(seed, name, mean.shape).to(mean.device) * grad
             if self._count == 1:  # the first sample is its own mean (Welford from 0, exactly); the
                 self._avg[name] = {"grad": grad, second: moment}  # caller drops p.grad right after
                 continue
@@ -296,5 +292,3 @@ class IVON(torch.optim.Optimizer):
         sigma0 = 1.0 / math.sqrt(group["ess"] * (group["hess_init"] + group["weight_decay"]))
         out = {f"p{100 * q:g}": float(v) for q, v in zip(quantiles, quant)}
         return {**out, "max": top, "max_over_init": top / sigma0}
-
-

@@ -45,15 +45,13 @@ class HFEngine:
             lean_decoder.bind(self.model, self.layout, self._mean_set[0])
             self.bank = SlotBank(self.layout, self.dtype, cfg.slot_cache_mb << 20)
         self._params = dict(trainable_named_parameters(self.model))
-        # m in fp32, which slots are built from: on the lean path in fp32 the parameters themselves (they
-        # always hold the mean); on the lean path in another dtype the published arrays once a version
-        # is loaded (views of the object Ray hands in: no private copy; version 0 serves no slot, it has
-        # no σ); without a lean decoder a copy, since slots are written into the parameters
-        self._mean = ({n: p.detach() for n, p in self._params.items()} if self.lean and self.dtype == torch.float32
-                      else {} if self.lean else {n: p.detach().float().clone() for n, p in self._params.items()})
+        # m, which slots are built from: until the first version the parameters as the model holds them
+        # (before it no noised slot is served: version 0 has no σ), then the published fp32 arrays (views
+        # of the object Ray hands in, no copy of its own), except where the parameters always hold m
+        # (the lean path in fp32)
+        self._mean = {n: p.detach() for n, p in self._params.items()}
         self._sigma: dict[str, torch.Tensor] | None = None
-        self.version = 0
-        self.mean_checksum = param_noise.weights_checksum((n, p.detach().float()) for n, p in self._params.items())
+        self.version, self.mean_checksum = 0, param_noise.weights_checksum(self._mean.items())
         self._mean_fingerprint = param_noise.value_fingerprint(self.model.parameters())
         self.paused, self._serving = False, NoiseSpec(posterior_version=0, seed=None)
         self.report = self.serve(self._serving)
@@ -71,9 +69,7 @@ class HFEngine:
         with torch.no_grad():
             for n, p in self._params.items():
                 p.copy_(received[n])  # the served weights (on the lean path in fp32: m itself)
-                if not self.lean:
-                    self._mean[n].copy_(received[n])
-        if self.lean and self.dtype != torch.float32:
+        if not (self.lean and self.dtype == torch.float32):
             self._mean = received
         self.version, self.mean_checksum = version, checksum
         self._sigma = None if sigma is None else {n: _tensor(sigma[n]) for n in self._params}  # read only
@@ -124,8 +120,7 @@ class HFEngine:
         return self.bank.place([(s.seed, s.scale) for s in slots], build)
 
     def _mean_by_layout(self) -> dict[str, torch.Tensor]:
-        """m in fp32 for every name of the layout (frozen parameters, and every parameter of a bf16
-        engine before its first version, which has no σ: as the model holds them)."""
+        """m for every name of the layout (frozen parameters: as the model holds them)."""
         params = dict(self.model.named_parameters())
         return {n: self._mean[n] if n in self._mean else params[n].detach() for n in self.layout.spans}
 
@@ -203,8 +198,8 @@ class HFEngine:
 
 def _tensor(array) -> torch.Tensor:
     """A fp32 tensor over `array`, no copy when it already is fp32 (Ray hands read-only views of the
-    published object: the engine only reads them; m is copied into the served weights, and σ, and
-    in a served dtype other than fp32 m too, are kept as they are)."""
+    published object: the engine only reads them; m is copied into the served weights and, unless
+    those always hold m, kept as it is, as σ is)."""
     import warnings
 
     with warnings.catch_warnings():
