@@ -16,8 +16,8 @@ Departures from ivon-opt 0.1.3 (§1.5), each deliberate:
   (unrouted MoE experts, §1.5 item 1);
 - state and the mean are fp32 whatever the parameter dtype; m lives in the state and p.data is a
   copy of it, restored with `copy_` in a `finally` (never rebound, never by subtracting noise);
-- z is drawn per tensor from (seed, name) by a CPU generator, not one flat randn, and kept until
-  the sample is folded in (§1.5 item 5, §1.6);
+- z is drawn per tensor from (seed, name) on the parameter's device (`param_noise.noise_like`), not
+  one flat randn, and drawn again when the sample is folded in rather than kept (§1.5 item 5, §1.6);
 - a training sample with `seed=None` has ε = 0, so its Price Hessian estimate is exactly 0;
 - the step count lives in the param group, so `state_dict()` and `export_state()` both carry it;
 - constructor defaults are the project's system defaults (§7, the 3PO values), not ivon-opt's;
@@ -168,7 +168,7 @@ class IVON(torch.optim.Optimizer):
             elif seed is None:
                 moment = torch.zeros_like(mean)
             else:
-                moment = sigmas[name] * noise_like(seed, name, mean.shape).to(mean.device) * grad
+                moment = noise_like(seed, name, mean.shape, mean.device).mul_(sigmas[name]).mul_(grad)
             if self._count == 1:  # the first sample is its own mean (Welford from 0, exactly); the
                 self._avg[name] = {"grad": grad, second: moment}  # caller drops p.grad right after
                 continue

@@ -2,10 +2,14 @@
 
 Any consumer of a slot (a sampler engine, or the learner drawing θ̂′) regenerates z itself from
 (seed, parameter name), so a version costs each engine one transfer of (m, σ) whatever the number
-of slots. z is drawn per tensor by a CPU generator in fp32, seeded by a stable hash of the seed and
-the name (blake2b; never Python's per-process `hash`), which makes the draw independent of
-parameter order, sharding and process. The clean mean is never recovered by subtracting noise
-(not bit-exact in fp32, feasibility.md §4): callers keep m and rebuild θ̂ from it.
+of slots. z is drawn per tensor on the device that holds the weights by a counter-based generator
+(`counter_normal`: integer hashing and a table, the same bits on a CPU and a GPU), keyed by a stable
+hash of the seed and the name (blake2b; never Python's per-process `hash`), which makes the draw
+independent of parameter order, sharding, process and device. θ̂ is composed of single correctly
+rounded fp32 operations in a fixed order, so it is bit-identical wherever it is built; the first
+draw on each device is checked against `NOISE_SIGNATURE` and a device that differs is refused. The
+clean mean is never recovered by subtracting noise (not bit-exact in fp32, feasibility.md §4):
+callers keep m and rebuild θ̂ from it.
 
 The weight checks are here too: `weights_checksum` (exact, positional: what the learner publishes
 for the mean and an engine recomputes on the mean it received) and `value_fingerprint` (exact,
@@ -19,9 +23,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from collections.abc import Iterable, Iterator, Mapping
 
 import torch
+
+from threepo.algorithms.counter_normal import levels, standard_normal, standard_normal_at
+
+# weights_checksum of the levels of z and of the first 2^17 elements of the draw for key 0x5EED:
+# what every device must reproduce before it serves or learns from noise (`check_noise_device`)
+NOISE_SIGNATURE = "4461a226ccafcd83"
 
 
 def tensor_seed(seed: int, name: str) -> int:
@@ -30,10 +41,36 @@ def tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def noise_like(seed: int, name: str, shape: Iterable[int]) -> torch.Tensor:
-    """z ~ N(0, I) of `shape`, fp32 on CPU, determined by (seed, name) only."""
-    gen = torch.Generator(device="cpu").manual_seed(tensor_seed(seed, name))
-    return torch.randn(tuple(shape), generator=gen, dtype=torch.float32)
+def noise_signature(device: torch.device | str = "cpu") -> str:
+    """`weights_checksum` of z's levels and of the first 2^17 draws for key 0x5EED, drawn on `device`."""
+    device = torch.device(device)
+    return weights_checksum([("levels", levels(device)), ("draw", standard_normal(0x5EED, 1 << 17, device=device))])
+
+
+@functools.cache
+def check_noise_device(device: torch.device) -> None:
+    """Raise unless `device` draws z bit-identical to `NOISE_SIGNATURE` (once per device and process):
+    a learner and an engine whose θ̂ of one seed could differ are refused rather than mismatched."""
+    found = noise_signature(device)
+    if found != NOISE_SIGNATURE:
+        raise RuntimeError(f"threepo: parameter noise drawn on {device} has signature {found}, expected "
+                           f"{NOISE_SIGNATURE}: this device (or torch build) would build different θ̂ "
+                           "from the same seed than the other roles; it cannot serve or learn from noise")
+
+
+def noise_like(seed: int, name: str, shape: Iterable[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """z ~ N(0, I) of `shape` (`counter_normal`'s quantized normal), fp32 on `device`, determined by
+    (seed, name) only: the same bits on every device."""
+    shape = tuple(shape)
+    check_noise_device(torch.device(device))
+    return standard_normal(tensor_seed(seed, name), math.prod(shape), device=device).view(shape)
+
+
+def noise_at(seed: int, name: str, index: torch.Tensor) -> torch.Tensor:
+    """z of (seed, name) at the flat element indices `index`: `noise_like(...).flatten()[index]`
+    without drawing the rest (a strided sample, a tensor-parallel shard)."""
+    check_noise_device(index.device)
+    return standard_normal_at(tensor_seed(seed, name), index)
 
 
 def posterior_sigma(hess: torch.Tensor, ess: float, weight_decay: float) -> torch.Tensor:
@@ -59,20 +96,26 @@ class SigmaView(Mapping):
 
 
 def perturbed(mean: torch.Tensor, sigma: torch.Tensor, seed: int | None, name: str,
-              scale: float = 1.0, z: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """θ̂ = m + c · σ ⊙ z(seed, name) in fp32, c = `scale` (a slot's σ multiplier; 1 = the posterior
-    sample itself); `seed=None` returns a fp32 copy of m (the clean mean; `scale` must then be 1).
-    Every consumer of a slot calls this with the same (seed, scale), so θ̂ is bit-identical everywhere.
-    `z`, when given, is `noise_like(seed, name, shape)` already drawn (a caller that needs z again);
-    `out`, when given, is a fp32 tensor of m's shape that receives θ̂ (and is returned)."""
+              scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """θ̂ = m + (σ ⊙ z(seed, name)) · c in fp32 on m's device, c = `scale` (a slot's σ multiplier;
+    1 = the posterior sample itself), each of ⊙, · and + one correctly rounded fp32 operation in
+    this order, so θ̂ is bit-identical on every device; `seed=None` returns a fp32 copy of m (the
+    clean mean; `scale` must then be 1). `out`, when given, is a contiguous fp32 tensor of m's shape,
+    not m itself, that receives θ̂ (and is returned); z is drawn into it, none held apart."""
     assert mean.shape == sigma.shape, f"{name}: mean {tuple(mean.shape)} vs sigma {tuple(sigma.shape)}"
     assert scale > 0 and (seed is not None or scale == 1.0), f"{name}: scale {scale} with seed {seed}"
-    mean = mean.detach().float()
+    mean = mean.detach()
     if seed is None:
-        return mean.clone() if out is None else out.copy_(mean)
-    # z is always drawn on the CPU (identical streams everywhere), then moved to the weights
-    z = noise_like(seed, name, mean.shape) if z is None else z
-    return torch.addcmul(mean, sigma.float(), z.to(mean.device), value=scale, out=out)
+        return mean.float().clone() if out is None else out.copy_(mean)
+    if out is None:
+        out = torch.empty(mean.shape, dtype=torch.float32, device=mean.device)
+    assert out.dtype == torch.float32 and out.shape == mean.shape and out.data_ptr() != mean.data_ptr(), name
+    check_noise_device(out.device)
+    standard_normal(tensor_seed(seed, name), out.numel(), out=out)
+    out.mul_(sigma.to(out.device, torch.float32))
+    if scale != 1.0:
+        out.mul_(scale)
+    return out.add_(mean.to(out.device, torch.float32))
 
 
 @torch.no_grad()
@@ -116,8 +159,8 @@ _PERIOD = 65521
 
 
 @functools.cache
-def _positions() -> torch.Tensor:
-    return torch.arange(_PERIOD, dtype=torch.int64) + 1
+def _positions(device: torch.device) -> torch.Tensor:
+    return torch.arange(1, _PERIOD + 1, dtype=torch.int64, device=device)
 
 
 def _position_weighted_sum(bits: torch.Tensor) -> int:
@@ -128,7 +171,7 @@ def _position_weighted_sum(bits: torch.Tensor) -> int:
         rows = -(-n // _PERIOD)
         padded = torch.nn.functional.pad(bits, (0, rows * _PERIOD - n)) if n % _PERIOD else bits
         bits, n = padded.view(rows, _PERIOD).sum(0), _PERIOD
-    return int((bits * _positions()[:n]).sum())
+    return int((bits * _positions(bits.device)[:n]).sum())
 
 
 _MIX = -1640531527  # 0x9E3779B9 as a signed int32 (golden-ratio multiplier)
@@ -201,6 +244,7 @@ def estimated_noise_ratio(means: Mapping, sigmas: Mapping, dtype: str, *, seed: 
         m = torch.as_tensor(means[name]).float().flatten()
         s = torch.as_tensor(sigma).float().flatten()
         stride = max(1, m.numel() // max_points)
-        points[name], s = m[::stride], s[::stride]
-        thetas[name] = points[name] + s * noise_like(seed, name, points[name].shape)
+        index = torch.arange(0, m.numel(), stride)
+        points[name] = m[index]
+        thetas[name] = points[name] + s[index] * noise_at(seed, name, index)
     return served_noise_ratio_of(points, thetas, getattr(torch, dtype))

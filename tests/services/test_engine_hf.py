@@ -104,7 +104,7 @@ def test_a_perturbed_sample_written_in_place_is_bit_identical_to_a_new_one():
     built = param_noise.perturbed(mean, sigma, 42, "w", 1.5)
     assert param_noise.perturbed(mean, sigma, 42, "w", 1.5, out=out) is out
     assert torch.equal(out.view(torch.int32), built.view(torch.int32))
-    reference = mean.clone().addcmul_(sigma, param_noise.noise_like(42, "w", (300, 7)), value=1.5)
+    reference = (sigma * param_noise.noise_like(42, "w", (300, 7))) * 1.5 + mean  # the documented order
     assert torch.equal(built.view(torch.int32), reference.view(torch.int32))
 
 
