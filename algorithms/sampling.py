@@ -66,6 +66,6 @@ def sample_with_uniforms(logp: torch.Tensor, u: torch.Tensor) -> tuple[torch.Ten
     probability (filtered to −inf) are never drawn: the CDF is flat across them.
     Shapes: logp [B, V], u [B] -> (tokens [B], logp of them [B])."""
     cdf = logp.double().exp().cumsum(-1)
-    target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
+    target = (u.to(cdf.device, cdf.dtype) * cdf[:, -1])[:, None]
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=logp.shape[-1] - 1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

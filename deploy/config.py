@@ -159,10 +159,29 @@ class RunConfig:
 
         check_combination(self.algo, self.optim, self.model.kind)
         check_learner(self.learner, self.algo, self.optim)
+        _check_sampler_devices(self.sampler, self.runtime)
         if not self.sampler.max_new_tokens:  # 0: the generation limit follows the task tier or the data format
             limit = (MAX_NEW_TOKENS[self.data.format] if self.data.path
                      else max_new_tokens_for(self.task.family, self.task.difficulty))
             object.__setattr__(self, "sampler", dataclasses.replace(self.sampler, max_new_tokens=limit))
+
+
+def _check_sampler_devices(sampler: SamplerConfig, runtime: RuntimeConfig) -> None:
+    """GPUs asked of Ray per sampler against what its engine will use."""
+    gpus, tp = runtime.sampler_gpus, sampler.tensor_parallel_size
+    if sampler.device == "cuda" and sampler.backend != "hf":
+        raise ValueError(f"sampler.device=cuda: applies to the hf engine only; {sampler.backend} places itself "
+                         "(give its actor GPUs with runtime.sampler_gpus)")
+    if sampler.backend == "hf" and tp != 1:
+        raise ValueError(f"sampler.tensor_parallel_size={tp}: the hf engine runs on one device; use vllm or sglang")
+    if sampler.backend == "hf" and sampler.device == "cuda" and gpus < 1:
+        raise ValueError(f"sampler.device=cuda needs runtime.sampler_gpus >= 1 (got {gpus})")
+    if sampler.backend == "sglang" and gpus < tp:
+        raise ValueError(f"sampler.backend=sglang runs on CUDA only: runtime.sampler_gpus must cover "
+                         f"sampler.tensor_parallel_size ({tp}), got {gpus}")
+    if sampler.backend == "vllm" and 0 < gpus < tp:
+        raise ValueError(f"runtime.sampler_gpus={gpus} does not cover sampler.tensor_parallel_size={tp} "
+                         "(one GPU per tensor-parallel rank; 0 = vLLM's CPU build)")
 
 
 class ConfigError(UserInputError):

@@ -117,7 +117,7 @@ class Learner:
         started = time.perf_counter()
         batch = collate(groups, batches, scores).to(self.device)
         rewards = step_rewards(batch, self.algo)
-        keep = adv_math.dynamic_filter(rewards) if self.algo.dynamic_filter else torch.ones(len(groups), dtype=torch.bool)
+        keep = adv_math.dynamic_filter(rewards) if self.algo.dynamic_filter else torch.ones(len(groups), dtype=torch.bool, device=self.device)
         updates = self._updates(batch, keep)
         measured = self._drift_rows(batch, updates)
         start, pending = self._start_logprobs(batch, updates, measured)
@@ -184,7 +184,7 @@ class Learner:
         `mini_batches` contiguous shares of whole groups; an update is a list of (gradient seed, rows),
         one per Monte-Carlo sample (`exploration.gradient_points`: fresh θ̂′ per update)."""
         a, size = self.algo, batch.rewards.shape[1]
-        kept = keep.nonzero().flatten().numpy()
+        kept = keep.nonzero().flatten().cpu().numpy()
         shares = np.array_split(kept, min(a.mini_batches, len(kept))) if len(kept) else []
         slots, updates = batch.slots.reshape(-1), []
         for _ in range(a.ppo_epochs):

@@ -149,12 +149,13 @@ def shared_prefix_hidden(model, input_ids: torch.Tensor, mask: torch.Tensor, gro
     if rows % group_size:
         raise ValueError(f"{rows} rows are not whole groups of {group_size}")
     prompt_len, comp_len = prompt_spans(mask)
-    heads = torch.arange(0, rows, group_size)
+    device = input_ids.device
+    heads = torch.arange(0, rows, group_size, device=device)
     p_len = prompt_len[heads]
     if not torch.equal(prompt_len.view(-1, group_size), p_len[:, None].expand(-1, group_size)):
         raise ValueError("rows of a group have prompts of different lengths: not one shared prompt")
     p_max = int(p_len.max())
-    cols = torch.arange(p_max)
+    cols = torch.arange(p_max, device=device)
     prompt_attn = (cols[None, :] < p_len[:, None]).long()
     prompts = torch.where(prompt_attn.bool(), input_ids[heads, :p_max], 0)
     net = model if logits else model.base_model
@@ -164,7 +165,7 @@ def shared_prefix_hidden(model, input_ids: torch.Tensor, mask: torch.Tensor, gro
     # lay out like a plain forward: position P - 1 (last prompt token) predicts completion token 0,
     # position P + j predicts completion token j + 1 (the completion's own outputs)
     laid = first.new_zeros((rows, width, first.shape[-1]))
-    row_of = torch.arange(rows)
+    row_of = torch.arange(rows, device=device)
     laid = laid.index_put((row_of, prompt_len - 1), first[row_of // group_size, p_len.repeat_interleave(group_size) - 1])
     for idx in length_buckets(comp_len):
         laid = _completion_states(net, logits, laid, input_ids[idx], idx, prompt_len[idx], comp_len[idx],
@@ -179,7 +180,7 @@ def _completion_states(net, logits: bool, laid, ids, idx, prompt_len, comp_len, 
     from transformers import DynamicCache
 
     c_max, width = int(comp_len.max()), ids.shape[1]
-    j = torch.arange(c_max)
+    j = torch.arange(c_max, device=ids.device)
     take = (j[None, :] < comp_len[:, None])
     src = (prompt_len[:, None] + j[None, :]).clamp(max=width - 1)
     completions = torch.where(take, ids.gather(1, src), 0)

@@ -52,6 +52,9 @@ class SamplerConfig:
     """hf: most sequences decoded together in one forward pass (128: the default step's 8 prompts ×
     16 rollouts in one pass, 1.1x the tokens/s of two passes of 64 on CPU); vllm/sglang: most
     sequences the engine schedules at once (vLLM `max_num_seqs`, SGLang `max_running_requests`)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """hf: where the engine holds its weights and decodes (`cuda`: the GPU Ray gives its actor,
+    `runtime.sampler_gpus` ≥ 1). vllm and sglang place themselves (on CUDA where their build has it)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype the engine serves weights in (`auto`: the model's `model.dtype`). m and σ stay fp32;
     θ̂ is built in fp32 and cast once, and the served-noise ratio says how much of σ ⊙ z survives."""

@@ -38,22 +38,23 @@ def sample_batch(model: PreTrainedModel, prompt_ids: Sequence[Sequence[int]], se
     """Sample one completion per prompt, row b drawing from the counter stream of `seeds[b]` (or
     greedily at temperature 0). Returns (token ids, behaviour log-probs, finish reason) per row.
     `lean`: decode with this lean decoder (its S weight sets take S equal consecutive groups of rows)."""
-    lengths = [len(p) for p in prompt_ids]
-    width = max(lengths)
-    input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
+    width = max(len(p) for p in prompt_ids)
+    input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long, device="cpu")
     attn = torch.zeros_like(input_ids)
     for row, ids in enumerate(prompt_ids):  # left padding keeps every row's last token aligned
-        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long, device="cpu")
         attn[row, width - len(ids):] = 1
+    device = lean.device if lean is not None else next(model.parameters()).device
+    input_ids, attn = input_ids.to(device), attn.to(device)  # built on the host, moved once
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
     step_logits = _stepper(model, input_ids, attn, positions, params.max_new_tokens, lean)
-    row_seeds, stops = np.array(seeds, dtype=np.uint64), torch.tensor(list(stop_ids), dtype=torch.long)
+    row_seeds, stops = np.array(seeds, dtype=np.uint64), torch.tensor(list(stop_ids), dtype=torch.long, device=device)
     tokens, logps = [], []
-    done = torch.zeros(len(prompt_ids), dtype=torch.bool)
+    done = torch.zeros(len(prompt_ids), dtype=torch.bool, device=device)
     logits = step_logits(None)
     for step in range(params.max_new_tokens):
         if params.temperature == 0:  # greedy: the chosen token has probability 1 under the rule
-            tok, tok_logp = logits.argmax(-1), torch.zeros(len(prompt_ids))
+            tok, tok_logp = logits.argmax(-1), torch.zeros(len(prompt_ids), device=device)
         else:
             logp = sampling_logprobs(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
             tok, tok_logp = sample_with_uniforms(logp, row_uniforms(row_seeds, step))
@@ -74,7 +75,7 @@ def _stepper(model: PreTrainedModel, input_ids: torch.Tensor, attn: torch.Tensor
     width = input_ids.shape[1]
     if lean is not None:
         cache = lean.new_cache(len(input_ids), width + max_new_tokens, lean.embed.dtype)
-        keys = torch.zeros((len(input_ids), width + max_new_tokens), dtype=torch.bool)
+        keys = torch.zeros((len(input_ids), width + max_new_tokens), dtype=torch.bool, device=input_ids.device)
         keys[:, :width] = attn.bool()
         at = {"len": 0, "pos": positions[:, -1:]}
 
@@ -132,7 +133,8 @@ def _distinct_rows(rows: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.
         return None
     first, inverse = [], []
     for s, inv in enumerate(blocks):
-        at = torch.full((distinct,), b, dtype=torch.long).scatter_reduce_(0, inv, torch.arange(b), "amin")
+        at = torch.full((distinct,), b, dtype=torch.long, device=rows.device).scatter_reduce_(
+            0, inv, torch.arange(b, device=rows.device), "amin")
         at[at == b] = at[0]  # this block has fewer distinct rows: repeat its first
         first.append(s * b + at)
         inverse.append(s * distinct + inv)
@@ -226,7 +228,8 @@ def own_decoder(model: PreTrainedModel) -> LeanDecoder | None:
     if not lean_decoder.supports(model):
         return None
     layout = WeightLayout.of(model, list(dict(model.named_parameters())))
-    sets = torch.empty(1, layout.numel, dtype=next(model.parameters()).dtype)
+    first = next(model.parameters())
+    sets = torch.empty(1, layout.numel, dtype=first.dtype, device=first.device)
     with torch.no_grad():
         for name, view in layout.views(sets[0]).items():
             view.copy_(dict(model.named_parameters())[name])

@@ -29,21 +29,24 @@ from threepo.services.modeling import load_model, load_tokenizer, trainable_name
 
 
 class HFEngine:
-    """Serves one policy of a local HF checkpoint on CPU (or one CUDA device) with transformers."""
+    """Serves one policy of a local HF checkpoint on the CPU or one CUDA device (`sampler.device`)."""
 
     def __init__(self, model_path: str, cfg: SamplerConfig, *, engine_id: int = 0, dtype: str = "float32"):
         torch.set_num_threads(cfg.threads)
         torch.set_flush_denormal(True)  # as the learner: denormal softmax tails are slow on CPU
         self.cfg, self.engine_id = cfg, engine_id
         self.dtype = getattr(torch, dtype if cfg.dtype == "auto" else cfg.dtype)
-        self.model = load_model(model_path, dtype=str(self.dtype).removeprefix("torch.")).eval()
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"engine {engine_id}: sampler.device=cuda, but torch sees no CUDA device here")
+        self.model = load_model(model_path, dtype=str(self.dtype).removeprefix("torch.")).to(self.device).eval()
         self.tokenizer = load_tokenizer(model_path)
         self.lean = lean_decoder.supports(self.model)
         if self.lean:  # parameters become views of one flat weight set: the mean, held once
             self.layout = WeightLayout.of(self.model, list(dict(self.model.named_parameters())))
-            self._mean_set = torch.empty(1, self.layout.numel, dtype=self.dtype)
+            self._mean_set = torch.empty(1, self.layout.numel, dtype=self.dtype, device=self.device)
             lean_decoder.bind(self.model, self.layout, self._mean_set[0])
-            self.bank = SlotBank(self.layout, self.dtype, cfg.slot_cache_mb << 20)
+            self.bank = SlotBank(self.layout, self.dtype, cfg.slot_cache_mb << 20, self.device)
         self._params = dict(trainable_named_parameters(self.model))
         # m, which slots are built from: until the first version the parameters as the model holds them
         # (before it no noised slot is served: version 0 has no σ), then the published fp32 arrays (views
@@ -61,7 +64,7 @@ class HFEngine:
         missing = sorted(set(self._params) - set(mean))
         if missing:
             raise WeightsMismatch(f"posterior version {version}: mean lacks parameters {missing[:5]}")
-        received = {n: _tensor(mean[n]) for n in self._params}
+        received = {n: _tensor(mean[n], self.device) for n in self._params}
         checksum = param_noise.weights_checksum(received.items())
         if checksum != mean_checksum:
             raise WeightsMismatch(f"engine {self.engine_id}: the mean of version {version} has checksum "
@@ -72,7 +75,7 @@ class HFEngine:
         if not (self.lean and self.dtype == torch.float32):
             self._mean = received
         self.version, self.mean_checksum = version, checksum
-        self._sigma = None if sigma is None else {n: _tensor(sigma[n]) for n in self._params}  # read only
+        self._sigma = None if sigma is None else {n: _tensor(sigma[n], self.device) for n in self._params}  # read only
         self._mean_fingerprint = param_noise.value_fingerprint(self.model.parameters())
         if self.lean:
             self.bank.clear()
@@ -196,12 +199,12 @@ class HFEngine:
         self.model = None
 
 
-def _tensor(array) -> torch.Tensor:
-    """A fp32 tensor over `array`, no copy when it already is fp32 (Ray hands read-only views of the
-    published object: the engine only reads them; m is copied into the served weights and, unless
-    those always hold m, kept as it is, as σ is)."""
+def _tensor(array, device: torch.device) -> torch.Tensor:
+    """A fp32 tensor of `array` on `device`; on the CPU no copy when it already is fp32 (Ray hands
+    read-only views of the published object: the engine only reads them; m is copied into the
+    served weights and, unless those always hold m, kept as it is, as σ is)."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only arrays: never written through
-        return torch.from_numpy(np.asarray(array, dtype=np.float32))
+        return torch.from_numpy(np.asarray(array, dtype=np.float32)).to(device)

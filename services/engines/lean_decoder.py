@@ -111,10 +111,11 @@ class LeanDecoder:
         cfg = model.config
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        self.eps, self.n_slots = cfg.rms_norm_eps, sets.shape[0]
+        self.eps, self.n_slots, self.device = cfg.rms_norm_eps, sets.shape[0], sets.device
         self.window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
         rotary = model.model.rotary_emb
-        self.inv_freq, self.rope_scale = rotary.inv_freq.float(), float(getattr(rotary, "attention_scaling", 1.0))
+        self.inv_freq = rotary.inv_freq.float().to(sets.device)
+        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
         v = lambda name: layout.view(sets, name) if name in layout.spans else None  # noqa: E731
         vec = lambda name: None if v(name) is None else v(name)[:, None]  # noqa: E731  [S, 1, n] broadcasts over rows
         self.embed = v("model.embed_tokens.weight")
@@ -157,7 +158,8 @@ class LeanDecoder:
 
     def new_cache(self, batch: int, length: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (batch, self.kv_heads, length, self.head_dim)
-        return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in self.layers]
+        return [(torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+                for _ in self.layers]
 
     def _allowed(self, key_mask: torch.Tensor, start: int, t: int) -> torch.Tensor:
         """[B, 1, T, end] attention mask: real keys, causal within the new tokens, inside the window;
@@ -165,8 +167,8 @@ class LeanDecoder:
         end = start + t
         allowed = key_mask[:, None, None, :end]
         if t > 1 or self.window:
-            q_col = start + torch.arange(t)[:, None]
-            k_col = torch.arange(end)[None, :]
+            q_col = start + torch.arange(t, device=key_mask.device)[:, None]
+            k_col = torch.arange(end, device=key_mask.device)[None, :]
             rule = k_col <= q_col
             if self.window:  # real tokens are contiguous at the right: column distance is position distance
                 rule = rule & (q_col - k_col < self.window)
@@ -183,7 +185,7 @@ class LeanDecoder:
         if rows % s_n:
             raise ValueError(f"{rows} rows cannot be split evenly over {s_n} weight sets")
         b = rows // s_n
-        set_of_row = torch.arange(s_n).repeat_interleave(b)
+        set_of_row = torch.arange(s_n, device=tokens.device).repeat_interleave(b)
         x = self.embed[set_of_row[:, None], tokens].reshape(s_n, b * t, -1)
         cos, sin = self._rope(positions, x.dtype)
         end = start + t

@@ -30,11 +30,12 @@ Key = tuple  # (seed, σ multiplier) of a slot
 class SlotBank:
     """Perturbed weight sets of one version, one per row (see the module docstring)."""
 
-    def __init__(self, layout: WeightLayout, dtype: torch.dtype, budget_bytes: int) -> None:
-        self.layout, self.dtype = layout, dtype
+    def __init__(self, layout: WeightLayout, dtype: torch.dtype, budget_bytes: int,
+                 device: torch.device | str = "cpu") -> None:
+        self.layout, self.dtype, self.device = layout, dtype, torch.device(device)
         self.set_bytes = layout.numel * torch.empty(0, dtype=dtype).element_size()
         self.capacity = max(1, budget_bytes // self.set_bytes)
-        self.rows = torch.empty(0, layout.numel, dtype=dtype)
+        self.rows = torch.empty(0, layout.numel, dtype=dtype, device=self.device)
         self._at: OrderedDict[Key, int] = OrderedDict()  # slot -> row, least recently used first
         self._checks: dict[int, tuple[tuple[int, int], bool, float]] = {}  # row -> (fingerprint fed, loaded, ratio)
 
@@ -65,7 +66,7 @@ class SlotBank:
         first = rows[0]
         if list(rows) == list(range(first, first + len(rows))):
             return self.rows[first:first + len(rows)]
-        return self.rows[torch.tensor(list(rows))]  # a copy, for this call only
+        return self.rows[torch.tensor(list(rows), device=self.device)]  # a copy, for this call only
 
     def loaded(self, row: int) -> bool:
         return self._checks[row][1]
@@ -84,7 +85,7 @@ class SlotBank:
 
     def _grow(self, size: int) -> None:
         if size > len(self.rows):
-            grown = torch.empty(size, self.layout.numel, dtype=self.dtype)
+            grown = torch.empty(size, self.layout.numel, dtype=self.dtype, device=self.device)
             grown[:len(self.rows)] = self.rows
             self.rows = grown
 

@@ -38,6 +38,11 @@ def test_bad_values_name_the_key(override, message):
       "algo.dead_group_scale=2"], "grpo serves the mean"),
     (["algo.filter_replacements=0.5"], "only used with algo.dynamic_filter=true"),
     (["algo.readmit_fraction=0.25", "algo.solved_group_scale=0"], "solved_group_scale: expected > 0"),
+    (["sampler.device=cuda"], "sampler.device=cuda needs runtime.sampler_gpus >= 1"),
+    (["sampler.backend=vllm", "sampler.device=cuda", "runtime.sampler_gpus=1"], "applies to the hf engine only"),
+    (["sampler.backend=sglang"], "runs on CUDA only"),
+    (["sampler.backend=vllm", "runtime.sampler_gpus=1", "sampler.tensor_parallel_size=2"], "does not cover"),
+    (["sampler.tensor_parallel_size=2"], "the hf engine runs on one device"),
 ])
 def test_contradictory_combinations_are_rejected_at_start(overrides, message):
     with pytest.raises(ConfigError, match=message):

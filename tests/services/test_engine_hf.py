@@ -241,3 +241,22 @@ def test_greedy_decoding_takes_the_argmax_and_stops_at_any_stop_token(engine):
     cut = engine.generate([EngineRequest((5, 6, 7), 1, seed=1)],
                           SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop,)))[0][0]
     assert cut.token_ids == tokens[:tokens.index(stop) + 1] and cut.finish_reason == "stop"
+
+
+def test_decoding_builds_every_tensor_on_the_engines_device(tiny_dense_path):
+    """With factory calls that name no device sent to `meta` and the engine on the CPU, a decoding
+    helper that builds a tensor without naming the engine's device (or the host's, on purpose)
+    fails: what `sampler.device=cuda` would meet. Slots built, sampled and checked as on the CPU."""
+    engine = HFEngine(tiny_dense_path, SamplerConfig(batch_size=8, seed=3))
+    engine.load_version(4, *_posterior(engine))
+    params = SamplingParams(max_new_tokens=6, top_k=20, top_p=0.9)
+    groups = [(NoiseSpec(4, seed=11), [EngineRequest((5, 6, 7), 3, seed=1), EngineRequest((9,), 2, seed=2)]),
+              (NoiseSpec(4, seed=12), [EngineRequest((3, 4), 2, seed=3)])]
+    expected = engine.generate_slots(groups, params)
+    engine.bank.clear()
+    with torch.device("meta"):
+        found = engine.generate_slots(groups, params)
+        greedy = engine.generate([EngineRequest((5, 6, 7), 2, seed=1)], SamplingParams(max_new_tokens=4, temperature=0))
+    assert [r[:2] for r in found] == [r[:2] for r in expected] and all(r[0].loaded_ok and r[1] for r in found)
+    assert [[[s.token_ids for s in q] for q in r[2]] for r in found] == [[[s.token_ids for s in q] for q in r[2]] for r in expected]
+    assert len(greedy[0]) == 2 and greedy[0][0].token_ids == greedy[0][1].token_ids

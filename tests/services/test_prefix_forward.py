@@ -138,3 +138,16 @@ def test_micro_batches_are_whole_prompt_runs_or_equal_sub_runs_within_the_budget
     assert [len(m) for m in micro_batches(rows, 8, mask, 5 * 100 * 5, 100)] == [4] * 8
     assert [len(m) for m in micro_batches(rows, 8, mask, 1, 100)] == [1] * 32  # at least one row
     assert [len(m) for m in micro_batches(torch.arange(5), 0, mask[:5], 12 * 100 * 3, 100)] == [3, 2]
+
+
+def test_every_tensor_is_built_on_the_inputs_device(tiny_dense_path):
+    """With factory calls that name no device sent to `meta` and the model and batch on the CPU, a
+    helper that builds an index without its inputs' device fails: what `learner.device=cuda`
+    would meet with CPU-built indices."""
+    model = load_model(tiny_dense_path).train()
+    ids, attn, mask = _batch()
+    expected = row_token_stats(model, ids, attn, mask, ids[:, 1:], 4, 1.0, entropy=True)
+    with torch.device("meta"):
+        found = row_token_stats(model, ids, attn, mask, ids[:, 1:], 4, 1.0, entropy=True)
+    assert found[0].device.type == "cpu"
+    torch.testing.assert_close(found, expected)
