@@ -159,15 +159,19 @@ class RunConfig:
 
         check_combination(self.algo, self.optim, self.model.kind)
         check_learner(self.learner, self.algo, self.optim)
-        _check_sampler_devices(self.sampler, self.runtime)
+        _check_sampler(self.sampler, self.runtime)
         if not self.sampler.max_new_tokens:  # 0: the generation limit follows the task tier or the data format
             limit = (MAX_NEW_TOKENS[self.data.format] if self.data.path
                      else max_new_tokens_for(self.task.family, self.task.difficulty))
             object.__setattr__(self, "sampler", dataclasses.replace(self.sampler, max_new_tokens=limit))
 
 
-def _check_sampler_devices(sampler: SamplerConfig, runtime: RuntimeConfig) -> None:
-    """GPUs asked of Ray per sampler against what its engine will use."""
+def _check_sampler(sampler: SamplerConfig, runtime: RuntimeConfig) -> None:
+    """What a sampler's engine can do: GPUs asked of Ray per sampler against what the engine uses,
+    and sampling settings whose behaviour log-probs the engine reports exactly."""
+    if sampler.backend == "sglang" and (sampler.top_k or sampler.top_p < 1):
+        raise ValueError("sampler.top_k/top_p: SGLang 0.5.23 reports log-probs before top-k/top-p truncation, "
+                         "not those of the truncated distribution; leave them off with sglang, or use vllm or hf")
     gpus, tp = runtime.sampler_gpus, sampler.tensor_parallel_size
     if sampler.device == "cuda" and sampler.backend != "hf":
         raise ValueError(f"sampler.device=cuda: applies to the hf engine only; {sampler.backend} places itself "

@@ -1,31 +1,45 @@
 """The SGLang engine behind the engine protocol (engines/base.py): SGLang's offline `sglang.Engine`.
 
-The same design as the vLLM engine, through SGLang's documented weight API (checked against the
-0.5.23 wheel, feasibility.md): the engine is started with `custom_weight_loader=[...]` naming the
-loaders of `engines/sglang_loader.py`, and every weight operation is an
-`Engine.update_weights_from_tensor(named_tensors, load_format=<loader>, flush_cache=...)` call, which
-SGLang runs inside every tensor-parallel worker as `loader(model, named_tensors)`:
+The same design as the vLLM engine, through SGLang's weight API as the pinned 0.5.23 implements it
+(read in its wheel: `sglang/srt/entrypoints/engine.py`, `managers/scheduler_components/weight_updater.py`,
+`layers/sampler.py`). The engine is started with `custom_weight_loader=[...]` naming the loaders of
+`engines/sglang_loader.py`, and every weight operation is one `Engine.update_weights_from_tensor(
+named_tensors, load_format=<loader>, flush_cache=...)` call, which SGLang runs inside every
+tensor-parallel worker as `loader(model, named_tensors)`. 0.5.23 refuses tensor updates outside a
+weight-update session, so each call is wrapped in `begin_weight_update()` / `end_weight_update()`.
 - `load_version` sends m and σ (fp32) with load_format `store`: each worker checks the mean's
   checksum, keeps (m, σ) on its device and serves the mean;
 - `serve` sends only the seed and the slot's σ multiplier c with load_format `serve`: each worker
-  builds θ̂ = m + c · σ ⊙ z(seed, name) from HF names and feeds it to `model.load_weights` (fusion and sharding are SGLang's), then
-  compares the fingerprint of what the model holds with what it fed; `flush_cache=True` empties the
-  radix cache, so no KV state computed under other weights is reused;
+  builds θ̂ = m + c · σ ⊙ z(seed, name) from HF names and feeds it to `model.load_weights` (fusion and
+  sharding are SGLang's), then compares the fingerprint of what the model holds with what it fed;
+  `flush_cache=True` empties the radix cache, so no KV state computed under other weights is reused;
 - `verify` sends load_format `verify`: each worker re-reads its served weights.
-A worker that finds a mismatch raises, which the adapter treats as a failed check. (SGLang's
-`init_weights_update_group` + `update_weights_from_distributed(..., load_format=<store loader>)`
-would bring m and σ over NCCL instead of through the object store; not used yet.)
+A loader never raises (in 0.5.23 that ends the scheduler process): each writes its outcome to a
+per-rank status file in a directory this adapter owns (`sglang_loader.STATUS_ENV`), and a call
+succeeds only when every rank reported this call's number and ok.
 
-Log-probs: SGLang reports each sampled token's log-prob after temperature scaling
-(`SGLANG_RETURN_ORIGINAL_LOGPROB` unset); whether they are renormalised after top-k/top-p is what
-the conformance suite checks where SGLang runs. SGLang cannot be installed on the CPU machines this
-project is built on (CUDA-only wheels): this adapter is unit-tested against a fake of the documented
-`Engine` call signatures (tests/engines/test_sglang_adapter.py) and runs the conformance suite only
-where `sglang` imports.
+Sampling: per-request `sampling_seed` is honoured by 0.5.23 only with `enable_deterministic_inference`
+(otherwise every request samples from the engine's own stream), so the engine is started with it: a
+request then reproduces whatever shares its batch, which also switches on SGLang's batch-invariant
+kernels. Log-probs: 0.5.23 returns each sampled token's log-prob under softmax(logits / T), before
+top-k / top-p truncation and without renormalising over the kept tokens
+(`SGLANG_RETURN_ORIGINAL_LOGPROB` unset), which are not the behaviour log-probs of a truncated
+distribution: this engine therefore samples at temperature only (top_k 0, top_p 1; the config refuses
+others with `sampler.backend=sglang`, and `generate` raises). 0.5.23's `Engine` has no pause or
+resume of generation: `pause` and `resume` only gate this adapter's `generate`.
+
+SGLang cannot be installed on the CPU machines this project is built on (CUDA-only wheels): this
+adapter runs the conformance suite against a fake of the 0.5.23 `Engine` (tests/engines/fake_sglang.py:
+its session rule, its seed rule, its log-prob rule, a loader exception ending the engine), and the
+real engine only where `sglang` imports.
 """
 
 from __future__ import annotations
 
+import glob
+import json
+import os
+import tempfile
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -33,6 +47,7 @@ import numpy as np
 from threepo.algorithms.param_noise import estimated_noise_ratio
 from threepo.services.engines.base import (EngineRequest, GeneratedSample, SamplerConfig, ServeReport,
                                            WeightsMismatch)
+from threepo.services.engines.sglang_loader import STATUS_ENV
 from threepo.services.messages import NoiseSpec, SamplingParams
 
 _LOADER = "threepo.services.engines.sglang_loader"
@@ -66,6 +81,10 @@ class SGLangEngine:
     def __init__(self, model_path: str, cfg: SamplerConfig, *, engine_id: int = 0, dtype: str = "float32",
                  engine_factory=None):
         self.cfg, self.engine_id = cfg, engine_id
+        # the loaders' status files; SGLang's workers inherit the variable when the engine spawns them
+        self.status_dir = tempfile.mkdtemp(prefix=f"threepo-sglang-{engine_id}-")
+        os.environ[STATUS_ENV] = self.status_dir
+        self._calls = 0
         if engine_factory is None:
             import sglang
 
@@ -74,7 +93,7 @@ class SGLangEngine:
             model_path=model_path, dtype=dtype if cfg.dtype == "auto" else cfg.dtype, tp_size=cfg.tensor_parallel_size,
             mem_fraction_static=cfg.gpu_memory_utilization, random_seed=cfg.seed,
             max_running_requests=cfg.batch_size, context_length=cfg.max_model_len or None,
-            custom_weight_loader=list(LOADERS.values()))
+            custom_weight_loader=list(LOADERS.values()), enable_deterministic_inference=True)
         self.version, self.mean_checksum, self.paused, self._noise_ratio = 0, "", False, 1.0
         self.served_dtype = dtype if cfg.dtype == "auto" else cfg.dtype
         self.report = ServeReport(0, None, "", True, 1.0, detail="checkpoint as loaded by SGLang")
@@ -106,21 +125,42 @@ class SGLangEngine:
         return self.report
 
     def _update(self, named: list, op: str, *, flush_cache: bool) -> tuple[bool, str]:
-        """One loader call in every worker; a loader that raises is a failed check, however SGLang
-        surfaces it (an unsuccessful result or an exception from the call)."""
+        """One loader call in every worker, inside a weight-update session; it succeeded when SGLang
+        took it and every rank's status file reports this call ok."""
+        self._calls += 1
+        named = [*named, control("call", [self._calls])]
+        began, message = self.engine.begin_weight_update()
+        if not began:
+            return False, f"begin_weight_update: {message}"
         try:
-            ok, message = self.engine.update_weights_from_tensor(named, load_format=LOADERS[op],
-                                                                 flush_cache=flush_cache)
-        except RuntimeError as err:
-            return False, str(err)
-        return bool(ok), str(message)
+            ok, message = self.engine.update_weights_from_tensor(named, load_format=LOADERS[op], flush_cache=flush_cache)
+        finally:
+            self.engine.end_weight_update()
+        if not ok:
+            return False, str(message)
+        return self._reports()
+
+    def _reports(self) -> tuple[bool, str]:
+        reports = {}
+        for path in glob.glob(os.path.join(self.status_dir, "rank*.json")):
+            with open(path) as f:
+                reports[os.path.basename(path)] = json.load(f)
+        current = {rank: r for rank, r in reports.items() if r["call"] == self._calls}
+        if len(current) < self.cfg.tensor_parallel_size:
+            return False, (f"{self.cfg.tensor_parallel_size - len(current)} of {self.cfg.tensor_parallel_size} "
+                           f"workers did not report call {self._calls} in {self.status_dir}")
+        failed = [f"{rank}: {r['message']}" for rank, r in sorted(current.items()) if not r["ok"]]
+        return (False, "; ".join(failed)) if failed else (True, "")
 
     def generate(self, requests: Sequence[EngineRequest], params: SamplingParams) -> list[list[GeneratedSample]]:
         if self.paused:
             raise RuntimeError(f"engine {self.engine_id} is paused: resume() before generate")
+        if params.top_k or params.top_p < 1:
+            raise ValueError(f"engine {self.engine_id}: SGLang 0.5.23 reports log-probs before top-k/top-p "
+                             f"truncation; sample with temperature only (got top_k {params.top_k}, top_p {params.top_p})")
         # one SGLang request per sample: sample j of a request draws from seed + j, as in vLLM
         flat = [(r, j) for r in requests for j in range(r.n)]
-        sampling = [{"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or -1,
+        sampling = [{"temperature": params.temperature,
                      "max_new_tokens": params.max_new_tokens, "sampling_seed": (r.seed + j) % (1 << 63),
                      "stop_token_ids": list(params.stop_token_ids)}
                     for r, j in flat]
@@ -138,15 +178,16 @@ class SGLangEngine:
         return ok
 
     def pause(self) -> None:
-        self.engine.pause_generation()
         self.paused = True
 
     def resume(self) -> None:
-        self.engine.continue_generation()
         self.paused = False
 
     def close(self) -> None:
         self.engine.shutdown()
+        import shutil
+
+        shutil.rmtree(self.status_dir, ignore_errors=True)
 
 
 def _sample(output: dict) -> GeneratedSample:

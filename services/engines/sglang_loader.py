@@ -1,23 +1,35 @@
 """Custom weight loaders SGLang runs inside every tensor-parallel worker (engines/sglang_engine.py).
 
-SGLang calls `loader(model, named_tensors)` for `Engine.update_weights_from_tensor(...,
+SGLang 0.5.23 calls `loader(model, named_tensors)` for `Engine.update_weights_from_tensor(...,
 load_format="threepo.services.engines.sglang_loader.<op>")` once the engine was started with those
 names in `custom_weight_loader`; the tensors are already on the worker's device. State per served
-model lives in `_STATE` (one SGLang worker process serves one model). A failed check raises, which
-the adapter treats as a failed update.
+model lives in `_STATE` (one SGLang worker process serves one model).
+
+A loader never raises: in 0.5.23 an exception in a loader is an exception in the scheduler's event
+loop, which ends the scheduler process and signals the engine's process to quit. Each call instead
+writes its outcome, `{"call": n, "ok": ..., "message": ...}`, to `rank<r>.json` in the directory named
+by the `THREEPO_SGLANG_STATUS` environment variable (the adapter sets it before SGLang spawns its
+workers, which inherit it; r is the worker's torch.distributed rank), and the adapter reads every
+rank's file after the call.
 
 - `store`: tensors `m/<name>`, `s/<name>`, `__threepo__/version`, `__threepo__/checksum`: check the
   mean's exact checksum, keep fp32 (m, σ) and serve the mean;
 - `serve`: `__threepo__/seed` (empty: the mean) and `__threepo__/scale` (float64, the slot's σ
-  multiplier c): build θ̂ = m + c · σ ⊙ z(seed, name) in fp32, cast to the model's dtype, `model.load_weights`, and compare the layout-invariant fingerprint of the model's
-  parameters with the fed tensors (single-rank only: tensor-parallel ranks hold shards);
+  multiplier c): build θ̂ = m + c · σ ⊙ z(seed, name) in fp32, cast to the model's dtype,
+  `model.load_weights`, and compare the layout-invariant fingerprint of the model's parameters with
+  the fed tensors (single-rank only: tensor-parallel ranks hold shards);
 - `verify`: the served weights are still those loaded.
+Every call carries `__threepo__/call`, the number its outcome is written under.
 
 Not runnable where SGLang does not install (the CPU machines this project is built on): the logic is
-tested against a plain torch module standing in for SGLang's model (tests/engines/test_sglang_adapter.py).
+tested against a fake of the 0.5.23 engine and a plain torch module standing in for SGLang's model
+(tests/engines/fake_sglang.py).
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 import torch
 
@@ -25,10 +37,32 @@ from threepo.algorithms import param_noise
 
 _STATE: dict[int, dict] = {}
 _CONTROL = "__threepo__/"
+STATUS_ENV = "THREEPO_SGLANG_STATUS"
 
 
-def store(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-    tensors = dict(named_tensors)
+def _reported(op):
+    """`op` run so that its outcome is written to this rank's status file, never raised."""
+    def loader(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        tensors = dict(named_tensors)
+        call = int(tensors[_CONTROL + "call"][0]) if _CONTROL + "call" in tensors else -1
+        try:
+            op(model, tensors)
+            ok, message = True, ""
+        except Exception as err:  # noqa: BLE001 (an exception here would end SGLang's scheduler)
+            ok, message = False, f"{type(err).__name__}: {err}"
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        directory = os.environ.get(STATUS_ENV)
+        if directory:
+            path = os.path.join(directory, f"rank{rank}.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump({"call": call, "ok": ok, "message": message}, f)
+            os.replace(path + ".tmp", path)
+    loader.__name__ = loader.__qualname__ = op.__name__.lstrip("_")
+    loader.__doc__ = op.__doc__
+    return loader
+
+
+def _store(model: torch.nn.Module, tensors: dict) -> None:
     mean = {n[2:]: t.float() for n, t in tensors.items() if n.startswith("m/")}
     sigma = {n[2:]: t.float() for n, t in tensors.items() if n.startswith("s/")}
     words = tensors[_CONTROL + "checksum"].tolist()
@@ -37,12 +71,11 @@ def store(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]])
     if received != expected:
         raise RuntimeError(f"threepo: the received mean has checksum {received}, the learner published {expected}")
     _STATE[id(model)] = {"mean": mean, "sigma": sigma or None, "version": int(tensors[_CONTROL + "version"][0])}
-    serve(model, [(_CONTROL + "seed", torch.zeros(0, dtype=torch.int64)),
-                  (_CONTROL + "scale", torch.ones(1, dtype=torch.float64))])
+    _serve(model, {_CONTROL + "seed": torch.zeros(0, dtype=torch.int64), _CONTROL + "scale": torch.ones(1, dtype=torch.float64)})
 
 
-def serve(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-    state, tensors = _STATE[id(model)], dict(named_tensors)
+def _serve(model: torch.nn.Module, tensors: dict) -> None:
+    state = _STATE[id(model)]
     seeds = tensors[_CONTROL + "seed"].tolist()
     seed = int(seeds[0]) if seeds else None
     scale = float(tensors[_CONTROL + "scale"][0])
@@ -51,6 +84,7 @@ def serve(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]])
     dtype = next(model.parameters()).dtype
     theta = param_noise.perturbed_state(state["mean"], state["sigma"] or {}, seed, scale)
     served = [(n, t.to(dtype)) for n, t in theta.items()]
+    state["loaded"] = None  # until the load below has completed
     model.load_weights(served)
     state["loaded"] = _fingerprint(model)
     single_rank = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
@@ -58,9 +92,12 @@ def serve(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]])
         raise RuntimeError(f"threepo: after loading seed {seed} the model holds other values than were fed")
 
 
-def verify(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+def _verify(model: torch.nn.Module, tensors: dict) -> None:
     if _fingerprint(model) != _STATE[id(model)]["loaded"]:
         raise RuntimeError("threepo: the served weights changed since they were loaded")
+
+
+store, serve, verify = _reported(_store), _reported(_serve), _reported(_verify)
 
 
 def _fingerprint(model: torch.nn.Module) -> tuple[int, int]:

@@ -1,10 +1,17 @@
-"""A stand-in for `sglang.Engine` with the documented call signatures (0.5.23, feasibility.md), so
-that the SGLang adapter's logic runs the conformance suite where SGLang cannot be installed.
+"""A stand-in for `sglang.Engine` as the pinned 0.5.23 behaves (read in its wheel), so that the SGLang
+adapter's logic runs the conformance suite where SGLang cannot be installed.
 
-What is faked: the scheduler and sampler (our own decode loop over a transformers model, with the
-request's `sampling_seed`) and SGLang's output format. What is real: the adapter, the custom weight
-loaders (run here exactly as SGLang runs them: `loader(model, named_tensors)` when `load_format` is
-one of the engine's `custom_weight_loader` names, else refused), and the model's `load_weights`.
+What is faked: the scheduler and sampler (our own decode loop over a transformers model) and SGLang's
+output format. What is real: the adapter, the custom weight loaders (run here exactly as SGLang runs
+them: `loader(model, named_tensors)` when `load_format` is one of the engine's `custom_weight_loader`
+names, else refused), and the model's `load_weights`. Kept from 0.5.23, so that an adapter relying
+on other behaviour fails here:
+- `update_weights_from_tensor` outside `begin_weight_update()` / `end_weight_update()` is refused;
+- an exception in a loader ends the scheduler: the engine is dead and every later call raises;
+- a request's `sampling_seed` is used only with `enable_deterministic_inference` (else the engine's own
+  stream, which differs from call to call);
+- the returned log-prob of a token is log softmax(logits / T), before top-k/top-p truncation;
+- there is no pause_generation or continue_generation.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ class FakeSGLangEngine:
     """`sglang.Engine(**server_args)` as the adapter calls it."""
 
     ACCEPTED = {"model_path", "dtype", "tp_size", "mem_fraction_static", "random_seed", "max_running_requests",
-                "context_length", "custom_weight_loader"}
+                "context_length", "custom_weight_loader", "enable_deterministic_inference"}
 
     def __init__(self, **server_args) -> None:
         unknown = set(server_args) - self.ACCEPTED
@@ -46,38 +53,67 @@ class FakeSGLangEngine:
         self.model = _Model(server_args["model_path"])
         self.tokenizer = load_tokenizer(server_args["model_path"])
         self.tokenizer_manager = type("TM", (), {"tokenizer": self.tokenizer})()
-        self.paused, self.flushes = False, 0
+        self.flushes, self.session, self.dead, self.draws = 0, False, False, 0
+
+    def _alive(self):
+        if self.dead:
+            raise RuntimeError("the SGLang scheduler exited (an exception in its event loop)")
+
+    def begin_weight_update(self, selector="all"):
+        self._alive()
+        if self.session:
+            return False, "a weight-update session is already open; call end_weight_update() first"
+        self.session = True
+        return True, "Success"
+
+    def end_weight_update(self):
+        self._alive()
+        if not self.session:
+            return False, "no weight-update session is open; call begin_weight_update() first"
+        self.session = False
+        return True, "Success"
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        self._alive()
+        if not self.session:
+            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
         if load_format not in self.args["custom_weight_loader"]:
-            return False, f"Unknown load_format={load_format}"
+            raise NotImplementedError(f"Unknown load_format={load_format}")
         module, _, fn = load_format.rpartition(".")
         try:
             getattr(importlib.import_module(module), fn)(self.model, [(n, t.clone()) for n, t in named_tensors])
-        except RuntimeError as err:
-            return False, str(err)
+        except Exception:
+            self.dead = True  # 0.5.23: the scheduler process ends, the engine's process is signalled
+            raise
         self.flushes += bool(flush_cache)
         return True, "Success"
 
     def generate(self, input_ids, sampling_params, return_logprob=False):
+        self._alive()
         assert return_logprob and len(input_ids) == len(sampling_params)
+        deterministic = self.args.get("enable_deterministic_inference", False)
         out = []
         for ids, sp in zip(input_ids, sampling_params):
-            params = SamplingParams(temperature=sp["temperature"], top_p=sp["top_p"],
-                                    top_k=max(0, sp["top_k"]), max_new_tokens=sp["max_new_tokens"],
+            self.draws += 1
+            seed = sp.get("sampling_seed") if deterministic and sp.get("sampling_seed") is not None else (
+                (self.args.get("random_seed") or 0) * 1_000_003 + self.draws)
+            params = SamplingParams(temperature=sp.get("temperature", 1.0), top_p=sp.get("top_p", 1.0),
+                                    top_k=max(0, sp.get("top_k", -1)), max_new_tokens=sp["max_new_tokens"],
                                     stop_token_ids=tuple(sp["stop_token_ids"]))
-            s = generate(self.model.hf, self.tokenizer, [EngineRequest(tuple(ids), 1, sp["sampling_seed"])],
-                         params, batch_size=1)[0][0]
+            s = generate(self.model.hf, self.tokenizer, [EngineRequest(tuple(ids), 1, seed)], params, batch_size=1)[0][0]
+            logprobs = self._untruncated(ids, s.token_ids, params.temperature)
             out.append({"text": s.text, "output_ids": list(s.token_ids), "meta_info": {
                 "finish_reason": {"type": "stop" if s.finish_reason == "stop" else "length"},
-                "output_token_logprobs": [(lp, t, None) for lp, t in zip(s.logprobs, s.token_ids)]}})
+                "output_token_logprobs": [(lp, t, None) for lp, t in zip(logprobs, s.token_ids)]}})
         return out
 
-    def pause_generation(self):
-        self.paused = True
-
-    def continue_generation(self):
-        self.paused = False
+    @torch.no_grad()
+    def _untruncated(self, prompt_ids, token_ids, temperature: float) -> list[float]:
+        """0.5.23's reported log-probs: log softmax(logits / T) of each sampled token, no truncation."""
+        ids = torch.tensor([list(prompt_ids) + list(token_ids)])
+        logits = self.model.hf(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].float()
+        logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)  # greedy: the logits themselves
+        return logp.gather(-1, torch.tensor(token_ids)[:, None]).squeeze(-1).tolist()
 
     def flush_cache(self):
         self.flushes += 1

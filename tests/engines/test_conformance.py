@@ -76,6 +76,16 @@ def _params(**filters):
     return SamplingParams(max_new_tokens=12, **{"temperature": 1.0, **filters})
 
 
+def _truncating(backend: str, eng, filters: dict) -> bool:
+    """SGLang (0.5.23) reports log-probs before top-k/top-p truncation, so its adapter samples at a
+    temperature only and refuses truncating filters in one clear error: check that, and say so."""
+    if not backend.startswith("sglang") or not (filters.get("top_k") or filters.get("top_p", 1.0) < 1):
+        return False
+    with pytest.raises(ValueError, match="before top-k/top-p truncation"):
+        eng.generate(_requests(eng), _params(**filters))
+    return True
+
+
 def _assert_matches_learner(learner, requests, outputs, seed, filters, scale=1.0):
     checked = 0
     for r, samples in zip(requests, outputs):
@@ -89,14 +99,18 @@ def _assert_matches_learner(learner, requests, outputs, seed, filters, scale=1.0
 
 @pytest.mark.parametrize("filters", FILTERS.values(), ids=FILTERS.keys())
 def test_behaviour_logprobs_equal_the_learner_forward_at_the_mean(served, learner, filters):
-    _, eng = served
+    backend, eng = served
+    if _truncating(backend, eng, filters):
+        return
     requests = _requests(eng)
     _assert_matches_learner(learner, requests, eng.generate(requests, _params(**filters)), None, filters)
 
 
 @pytest.mark.parametrize("filters", FILTERS.values(), ids=FILTERS.keys())
 def test_a_slot_samples_from_theta_as_the_learner_builds_it(served, learner, filters):
-    _, eng = served
+    backend, eng = served
+    if _truncating(backend, eng, filters):
+        return
     report = eng.serve(NoiseSpec(1, 2026))
     assert report.loaded_ok and (report.version, report.seed) == (1, 2026)
     assert report.mean_checksum == learner.published()[2]
@@ -110,7 +124,9 @@ def test_a_slot_samples_from_theta_as_the_learner_builds_it(served, learner, fil
 @pytest.mark.parametrize("filters", FILTERS.values(), ids=FILTERS.keys())
 def test_a_scaled_slot_samples_from_m_plus_c_sigma_z_as_the_learner_rebuilds_it(served, learner, filters):
     # dead-group-aware exploration: the same seed with σ × 2.5; behaviour log-probs are the scaled policy's
-    _, eng = served
+    backend, eng = served
+    if _truncating(backend, eng, filters):
+        return
     report = eng.serve(NoiseSpec(1, 2026, scale=2.5))
     assert report.loaded_ok and (report.version, report.seed, report.scale) == (1, 2026, 2.5)
     requests = _requests(eng)

@@ -1,0 +1,65 @@
+"""The SGLang adapter against the pinned 0.5.23's rules (as tests/engines/fake_sglang.py keeps them):
+weight calls inside a session, loaders that never raise (an exception would end the scheduler), a
+call that fails unless every tensor-parallel rank reported it, temperature-only sampling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fake_sglang import FakeSGLangEngine
+from threepo.algorithms.param_noise import weights_checksum
+from threepo.deploy.config import ConfigError, load_config
+from threepo.services.engines.base import EngineRequest, SamplerConfig, WeightsMismatch
+from threepo.services.engines.sglang_engine import SGLangEngine
+from threepo.services.messages import NoiseSpec, SamplingParams
+from threepo.services.modeling import load_model, trainable_named_parameters
+
+
+def _published(path):
+    mean = {n: p.detach().numpy().copy() for n, p in trainable_named_parameters(load_model(path))}
+    sigma = {n: np.full(a.shape, 0.01, dtype=np.float32) for n, a in mean.items()}
+    return mean, sigma, weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
+
+
+def test_a_failed_check_is_reported_and_the_engine_lives_on(tiny_dense_path):
+    eng = SGLangEngine(tiny_dense_path, SamplerConfig(backend="sglang"), engine_factory=FakeSGLangEngine)
+    mean, sigma, checksum = _published(tiny_dense_path)
+    with pytest.raises(WeightsMismatch, match="checksum"):
+        eng.load_version(1, mean, sigma, "0" * 16)
+    assert not eng.engine.dead and not eng.engine.session  # no exception reached the scheduler; session closed
+    eng.load_version(1, mean, sigma, checksum)
+    assert eng.serve(NoiseSpec(1, 5)).loaded_ok and eng.verify()
+    with torch.no_grad():
+        next(eng.engine.model.parameters()).view(-1)[0] += 1.0
+    assert not eng.verify() and not eng.engine.dead
+
+
+def test_a_rank_that_does_not_report_a_call_fails_it(tiny_dense_path):
+    eng = SGLangEngine(tiny_dense_path, SamplerConfig(backend="sglang", tensor_parallel_size=2),
+                       engine_factory=lambda **kw: FakeSGLangEngine(**{**kw, "tp_size": 1}))
+    with pytest.raises(WeightsMismatch, match="1 of 2 workers did not report call 1"):
+        eng.load_version(1, *_published(tiny_dense_path))
+
+
+def test_the_adapter_starts_deterministic_inference_and_refuses_truncated_sampling(tiny_dense_path):
+    eng = SGLangEngine(tiny_dense_path, SamplerConfig(backend="sglang"), engine_factory=FakeSGLangEngine)
+    assert eng.engine.args["enable_deterministic_inference"]  # else 0.5.23 ignores sampling_seed
+    eng.load_version(1, *_published(tiny_dense_path))
+    request = [EngineRequest((5, 6, 7), 2, seed=3)]
+    first, again = (eng.generate(request, SamplingParams(max_new_tokens=6)) for _ in range(2))
+    assert [s.token_ids for s in first[0]] == [s.token_ids for s in again[0]]
+    with pytest.raises(ValueError, match="before top-k/top-p truncation"):
+        eng.generate(request, SamplingParams(max_new_tokens=6, top_p=0.9))
+    with pytest.raises(ConfigError, match="SGLang 0.5.23 reports log-probs before top-k/top-p"):
+        load_config(None, ["sampler.backend=sglang", "runtime.sampler_gpus=1", "sampler.top_k=20"])
+
+
+def test_the_fake_keeps_the_pinned_rules(tiny_dense_path):
+    """What would have caught the adapter of before: updates outside a session are refused, and an
+    exception in a loader ends the engine."""
+    fake = FakeSGLangEngine(model_path=tiny_dense_path, custom_weight_loader=["threepo.services.engines.sglang_loader.verify"])
+    ok, message = fake.update_weights_from_tensor([], load_format="threepo.services.engines.sglang_loader.verify")
+    assert not ok and "begin_weight_update" in message
+    assert not hasattr(fake, "pause_generation") and not hasattr(fake, "continue_generation")
