@@ -362,9 +362,10 @@ def start_roles(cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str 
         from threepo.services.datasets import eval_items
 
         items = eval_items(cfg.data, cfg.task, cfg.eval)
-        evaluator = ray.remote(EvaluatorActor).options(num_cpus=rt.eval_cpus, runtime_env=env,
-                                                       name=f"{run_id}-evaluator").remote(
-            policy_path, dataclasses.replace(sampler_cfg, backend="hf", batch_size=cfg.eval.batch_size), items,
+        evaluator = ray.remote(EvaluatorActor).options(num_cpus=rt.eval_cpus, num_gpus=(rt.eval_gpus or 1.0) if cfg.eval.device == "cuda" else 0,
+                                                       runtime_env=env, name=f"{run_id}-evaluator").remote(
+            policy_path, dataclasses.replace(sampler_cfg, backend="hf", batch_size=cfg.eval.batch_size,
+                                             device=cfg.eval.device, tensor_parallel_size=1), items,
             cfg.verifier, cfg.prompt, auth_token(cfg.verifier.auth_env))
     roles = Roles(None, samplers, verifiers, None, evaluator, policy_path=policy_path, run_dir=run_dir)
     start_stateful(roles, cfg, policy_path, run_dir, checkpoint, cores)

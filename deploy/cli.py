@@ -202,7 +202,8 @@ def evaluate_policy(cfg, path: str, *, label: str):
 
     items = eval_items(cfg.data, cfg.task, cfg.eval)
     evaluator = Evaluator(path, items, VerifierPool(cfg.verifier.pool_config()), cfg.prompt,
-                          SamplerConfig(threads=cfg.bootstrap.threads, batch_size=cfg.eval.batch_size, seed=cfg.seed),
+                          SamplerConfig(threads=cfg.bootstrap.threads, batch_size=cfg.eval.batch_size, seed=cfg.seed,
+                                        device=cfg.eval.device),
                           dtype=cfg.model.dtype, seed=cfg.seed)
     try:
         with tqdm(total=len(items), desc=label, unit="item") as bar:

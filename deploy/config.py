@@ -89,6 +89,9 @@ class RuntimeConfig:
     before/after evaluation of `threepo train`)."""
     eval_cpus: float = 0.25
     """Ray CPUs of the evaluator actor (it works only every `eval_every` steps)."""
+    eval_gpus: float = 0.0
+    """Ray GPUs of the evaluator actor with `eval.device=cuda` (0 = one whole GPU; a fraction shares a
+    sampler's GPU: e.g. runtime.sampler_gpus=0.9 and 0.1 here)."""
     ray_address: str = ""
     """Ray cluster to join ('' = start a local one; 'auto' = the cluster this runs in)."""
     metrics_port: int = 8090
@@ -160,6 +163,9 @@ class RunConfig:
         check_combination(self.algo, self.optim, self.model.kind)
         check_learner(self.learner, self.algo, self.optim)
         _check_sampler(self.sampler, self.runtime)
+        if self.runtime.eval_gpus > 0 and self.eval.device != "cuda":
+            raise ValueError(f"runtime.eval_gpus={self.runtime.eval_gpus}: the evaluator decodes on the CPU "
+                             "unless eval.device=cuda")
         if not self.sampler.max_new_tokens:  # 0: the generation limit follows the task tier or the data format
             limit = (MAX_NEW_TOKENS[self.data.format] if self.data.path
                      else max_new_tokens_for(self.task.family, self.task.difficulty))
@@ -180,10 +186,11 @@ def _check_sampler(sampler: SamplerConfig, runtime: RuntimeConfig) -> None:
         raise ValueError(f"sampler.tensor_parallel_size={tp}: the hf engine runs on one device; use vllm or sglang")
     if sampler.backend == "hf" and sampler.device == "cuda" and gpus < 1:
         raise ValueError(f"sampler.device=cuda needs runtime.sampler_gpus >= 1 (got {gpus})")
-    if sampler.backend == "sglang" and gpus < tp:
+    short = tp > 1 and gpus < tp  # one whole GPU per rank; a fraction of one serves tensor_parallel_size 1
+    if sampler.backend == "sglang" and (gpus <= 0 or short):
         raise ValueError(f"sampler.backend=sglang runs on CUDA only: runtime.sampler_gpus must cover "
                          f"sampler.tensor_parallel_size ({tp}), got {gpus}")
-    if sampler.backend == "vllm" and 0 < gpus < tp:
+    if sampler.backend == "vllm" and gpus > 0 and short:
         raise ValueError(f"runtime.sampler_gpus={gpus} does not cover sampler.tensor_parallel_size={tp} "
                          "(one GPU per tensor-parallel rank; 0 = vLLM's CPU build)")
 

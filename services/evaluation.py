@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from threepo.algorithms.pass_at_k import pass_at_k
 from threepo.services.engines.base import EngineRequest, GeneratedSample
@@ -49,6 +49,10 @@ class EvalConfig:
     around_training: bool = True
     """`threepo train` evaluates held-out before and after training, in the driver's process
     (false: only the periodic evaluations of `runtime.eval_every`)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where evaluation decodes (the hf engine's `sampler.device`): `threepo eval` and the evaluation
+    around training in the driver's process, and the evaluator actor of `runtime.eval_every`, which
+    then asks Ray for one GPU. On a cluster whose head has no GPU, set `eval.around_training=false`."""
 
     def __post_init__(self) -> None:
         if self.split not in ("train", "heldout"):

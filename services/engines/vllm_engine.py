@@ -10,9 +10,15 @@ seed (sample j of a request with n > 1 draws from seed + j, vLLM's rule) and a `
 weights; switching weights also resets the cache, which frees blocks that no future request can use.
 
 Weights reach the engine once per version, m and σ in fp32, through Ray's object store into
-`load_version`; each worker copies them to its device once. (vLLM's RL weight-transfer API over
-NCCL/IPC, which would skip the host copy on GPU clusters, is not used yet: it loads what it receives
-as the served weights, while threepo must hand the workers m and σ and build θ̂ there.)
+`load_version`. With one worker (tensor_parallel_size 1) the engine core runs in this process and
+the worker takes the arrays by reference. With several, vLLM 0.33 runs the engine core and workers in
+other processes and sends `collective_rpc` arguments as msgpack, where numpy arrays arrive as lists
+the workers cannot use (`vllm/v1/serial_utils.py`, read in the pinned wheel): the engine then stages
+(m, σ) once per version as one safetensors file in shared memory (`/dev/shm` where it exists) and
+sends its path; every worker maps it read-only, so the ranks of a node share one copy (8 bytes per
+parameter per node, 4 per rank at TP 2) and none holds m or σ on its device (engines/vllm_worker.py;
+`held_bytes` reports it). (vLLM's RL weight-transfer API over NCCL/IPC is not used: it loads what it
+receives as the served weights, while threepo must hand the workers m and σ and build θ̂ there.)
 
 Settings come from `[sampler]`: dtype, eager mode, KV-cache size on CPU, GPU memory fraction, tensor
 parallel size, max model length, batch size (max_num_seqs). On CPU, vLLM's process-wide thread
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -66,16 +73,27 @@ class VLLMEngine:
         self.version, self.mean_checksum, self.paused = 0, "", False
         self.report = ServeReport(0, None, "", True, 1.0, detail="checkpoint as loaded by vLLM")
         self.starts = 1  # constant: a version or slot never restarts the engine
+        self.staged: str | None = None  # the staged (m, σ) file workers in other processes map
 
     def load_version(self, version: int, mean: Mapping[str, np.ndarray],
                      sigma: Mapping[str, np.ndarray] | None, mean_checksum: str) -> None:
-        received = self.llm.collective_rpc("threepo_load_version", args=(version, dict(mean),
-                                                                         None if sigma is None else dict(sigma),
-                                                                         mean_checksum))
+        if self.cfg.tensor_parallel_size > 1:  # workers in other processes: a staged file, by path
+            path = stage_version(mean, sigma, staging_dir(), f"threepo-vllm-{os.getpid()}-{self.engine_id}-v{version}")
+            args = (version, path, None, mean_checksum)
+        else:
+            path, args = None, (version, dict(mean), None if sigma is None else dict(sigma), mean_checksum)
+        try:
+            received = self.llm.collective_rpc("threepo_load_version", args=args)
+        except BaseException:
+            _remove(path)
+            raise
         wrong = [c for c in received if c != mean_checksum]
         if wrong:
+            _remove(path)
             raise WeightsMismatch(f"engine {self.engine_id}: the mean of version {version} has checksum "
                                   f"{wrong[0]} on a worker, the learner published {mean_checksum}")
+        _remove(self.staged)  # the workers mapped the new file; the old mapping went with the old tensors
+        self.staged = path
         self.version, self.mean_checksum = version, mean_checksum
         self.llm.reset_prefix_cache()
         self.report = ServeReport(version, None, mean_checksum, self.verify(), 1.0)
@@ -111,6 +129,18 @@ class VLLMEngine:
     def verify(self) -> bool:
         return all(self.llm.collective_rpc("threepo_verify"))
 
+    def held_bytes(self) -> dict:
+        """threepo's own memory beside the served weights, per worker: on its device, and in host
+        memory mapped or referenced (shared by the workers of a staged file), with bytes per parameter
+        per rank of each (host: the staged file's share)."""
+        workers = self.llm.collective_rpc("threepo_held_bytes")
+        ranks, params = len(workers), workers[0]["parameters"]
+        device = max(w["device"] for w in workers)
+        host = workers[0]["host_mapped"] / (ranks if self.staged else 1)
+        return {"ranks": ranks, "device_bytes_per_rank": device, "host_bytes_per_rank": host,
+                "device_bytes_per_param_per_rank": device / params if params else 0.0,
+                "host_bytes_per_param_per_rank": host / params if params else 0.0}
+
     def pause(self) -> None:
         self.paused = True
 
@@ -122,6 +152,34 @@ class VLLMEngine:
 
         del self.llm
         gc.collect()
+        _remove(self.staged)
+
+
+def staging_dir() -> str:
+    """Where staged (m, σ) files go: shared memory where the machine has it, else the temp directory."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def stage_version(mean: Mapping[str, np.ndarray], sigma: Mapping[str, np.ndarray] | None, directory: str,
+                  stem: str) -> str:
+    """(m, σ) as one fp32 safetensors file `<directory>/<stem>.safetensors` (tensors `m/<name>`,
+    `s/<name>`), written whole before it is named; returns its path."""
+    from safetensors.numpy import save_file
+
+    tensors = {f"m/{n}": np.ascontiguousarray(a, dtype=np.float32) for n, a in mean.items()}
+    tensors.update({f"s/{n}": np.ascontiguousarray(a, dtype=np.float32) for n, a in (sigma or {}).items()})
+    path = os.path.join(directory, stem + ".safetensors")
+    save_file(tensors, path + ".part")
+    os.replace(path + ".part", path)
+    return path
+
+
+def _remove(path: str | None) -> None:
+    if path:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
 
 
 def _sample(c) -> GeneratedSample:

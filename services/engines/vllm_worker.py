@@ -2,11 +2,17 @@
 
 vLLM builds its worker class with this one as an extra base, so these methods run inside each worker
 process (one per tensor-parallel rank), next to the model on the worker's device, and are called
-through `LLM.collective_rpc`. They hold the version's fp32 mean m and σ on that device, build
-θ̂ = m + c · σ ⊙ z(seed, name) there (c the slot's σ multiplier) from HF parameter names (`algorithms.param_noise`, exactly as the
-learner builds it) and hand θ̂ to vLLM's own reload path (`Worker.reload_weights` with checkpoint-
-format tensors): fusing q/k/v and gate/up, sharding across ranks, vocabulary padding and the CPU
-backend's oneDNN re-packing are vLLM's business, not ours.
+through `LLM.collective_rpc`. A version's fp32 m and σ stay in host memory the worker does not own:
+the arrays the engine was handed (one worker in the engine's process: by reference), or a
+safetensors file the engine staged (several workers in their own processes: mapped read-only and
+shared, since vLLM 0.33's multiprocess `collective_rpc` sends its arguments as msgpack, in which
+numpy arrays arrive as lists the workers cannot use). Each slot's θ̂ = m + c · σ ⊙ z(seed, name) (c
+the slot's σ multiplier; `algorithms.param_noise`, exactly as the learner builds it, z drawn on the
+device) is built tensor by tensor on the worker's device and streamed into vLLM's own reload path
+(`Worker.reload_weights` with checkpoint-format tensors, which loads from the iterator as it goes):
+on the device the worker holds nothing of threepo's beyond one tensor in flight, so its memory is the
+served weights, whatever the tensor-parallel size. Fusing q/k/v and gate/up, sharding across ranks,
+vocabulary padding and the CPU backend's oneDNN re-packing are vLLM's business, not ours.
 
 The weight check: the mean's exact checksum is recomputed here on receipt; after each load, a
 layout-invariant fingerprint (`param_noise.value_fingerprint`) of what the model now holds is
@@ -26,6 +32,9 @@ imports only torch and threepo.algorithms (vLLM imports it inside every worker).
 
 from __future__ import annotations
 
+import json
+import struct
+
 import numpy as np
 import torch
 
@@ -35,41 +44,61 @@ from threepo.algorithms import param_noise
 class ThreepoWorkerExtension:
     """Methods added to vLLM's worker; state lives in `_threepo_*` attributes of the worker."""
 
-    def threepo_load_version(self, version: int, mean: dict, sigma: dict | None, mean_checksum: str) -> str:
-        """Hold (m, σ) of `version` on this worker's device and serve the mean; return the checksum
-        of the mean as received. A mean whose checksum differs from `mean_checksum` is not taken
-        (the worker keeps what it held); the caller raises."""
-        held = {n: torch.as_tensor(np.asarray(a, dtype=np.float32)).to(self.device) for n, a in mean.items()}
+    def threepo_load_version(self, version: int, mean: dict | str, sigma: dict | None, mean_checksum: str) -> str:
+        """Take (m, σ) of `version` (arrays by name, or the path of a staged file holding `m/<name>` and
+        `s/<name>`, then `sigma` is None) and serve the mean; return the checksum of the mean as
+        received. A mean whose checksum differs from `mean_checksum` is not taken (the worker keeps
+        what it held); the caller raises."""
+        if isinstance(mean, str):
+            staged = mapped_safetensors(mean)
+            held = {n[2:]: t for n, t in staged.items() if n.startswith("m/")}
+            sigma_held = {n[2:]: t for n, t in staged.items() if n.startswith("s/")} or None
+        else:
+            held = {n: torch.from_numpy(np.asarray(a, dtype=np.float32)) for n, a in mean.items()}
+            sigma_held = None if sigma is None else {
+                n: torch.from_numpy(np.asarray(a, dtype=np.float32)) for n, a in sigma.items()}
         received = param_noise.weights_checksum(held.items())
         if received != mean_checksum:
             return received
-        self._threepo_mean = held
-        self._threepo_sigma = None if sigma is None else {
-            n: torch.as_tensor(np.asarray(a, dtype=np.float32)).to(self.device) for n, a in sigma.items()}
-        self._threepo_version = version
+        self._threepo_mean, self._threepo_sigma, self._threepo_version = held, sigma_held, version
         self.threepo_serve(None)
         return received
 
     def threepo_serve(self, seed: int | None, scale: float = 1.0) -> dict:
-        """Load θ̂ = m + c · σ ⊙ z(seed), c = `scale` (seed None: the mean) through vLLM's reload path;
-        report whether the model holds exactly what was fed, and the served / intended noise energies."""
-        dtype = self.model_config.dtype
+        """Load θ̂ = m + c · σ ⊙ z(seed), c = `scale` (seed None: the mean) through vLLM's reload path,
+        built and streamed tensor by tensor; report whether the model holds exactly what was fed, and
+        the served / intended noise energies."""
+        dtype, device = self.model_config.dtype, self.device
         sigma = self._threepo_sigma or {}
-        served, noise_served, noise_intended = {}, 0.0, 0.0
-        for name, m in self._threepo_mean.items():
-            theta = param_noise.perturbed(m, sigma[name], seed, name, scale) if seed is not None else m
-            served[name] = theta.to(dtype)
-            if seed is not None:
-                a, b = param_noise.served_noise_ratio(m, theta, dtype)
-                noise_served, noise_intended = noise_served + a, noise_intended + b
-        self.reload_weights(weights_iterator=iter(list(served.items())), is_checkpoint_format=True)
+        fed, energy = [], [0.0, 0.0]
+
+        def weights():
+            for name, m in self._threepo_mean.items():
+                m = m.to(device)
+                theta = param_noise.perturbed(m, sigma[name].to(device), seed, name, scale) if seed is not None else m
+                cast = theta.to(dtype)
+                fed.append(param_noise.value_fingerprint([cast]))
+                if seed is not None:
+                    a, b = param_noise.served_noise_ratio(m, theta, dtype)
+                    energy[0], energy[1] = energy[0] + a, energy[1] + b
+                yield name, cast
+
+        self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
         _repack_tied_cpu_weights(self.model_runner.get_model())
-        expected = param_noise.value_fingerprint(served.values())
+        expected = param_noise.combined_fingerprint(fed)
         self._threepo_loaded = self._threepo_fingerprint()
         single_rank = self.parallel_config.tensor_parallel_size == 1
         matches = self._threepo_loaded[:2] == expected if single_rank else True
         return {"loaded_ok": matches and self._threepo_loaded[2],
-                "noise_served": noise_served, "noise_intended": noise_intended}
+                "noise_served": energy[0], "noise_intended": energy[1]}
+
+    def threepo_held_bytes(self) -> dict:
+        """Bytes of threepo's own state this worker holds beside the served weights: on its device
+        (none between calls: θ̂ is streamed), and in host memory it maps or references (m and σ)."""
+        held = [*self._threepo_mean.values(), *(self._threepo_sigma or {}).values()]
+        return {"parameters": sum(t.numel() for t in self._threepo_mean.values()),
+                "device": sum(t.numel() * t.element_size() for t in held if t.device.type != "cpu"),
+                "host_mapped": sum(t.numel() * t.element_size() for t in held if t.device.type == "cpu")}
 
     def threepo_verify(self) -> bool:
         """Are the served weights still exactly those loaded by the last `threepo_serve`?"""
@@ -100,6 +129,27 @@ class ThreepoWorkerExtension:
                 tensors.append(_packed_weight(module, p.dtype, module.input_size_per_partition)
                                if packed and p.numel() == 0 else p)
         return (*param_noise.value_fingerprint(tensors), consistent)
+
+
+def mapped_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """The fp32 tensors of a safetensors file as views of one private mapping of it: nothing is read
+    until used, and processes mapping the same file share its pages (written pages would be copied,
+    never written back; the worker only reads)."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    flat = torch.from_file(path, shared=False, size=8 + header_len + max(
+        (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0), dtype=torch.uint8)
+    data = flat[8 + header_len:]
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        if meta["dtype"] != "F32":
+            raise ValueError(f"{path}: {name} is {meta['dtype']}, the staged (m, σ) are F32")
+        start, end = meta["data_offsets"]
+        out[name] = data[start:end].view(torch.float32).view(meta["shape"])
+    return out
 
 
 def _repack_tied_cpu_weights(model: torch.nn.Module) -> None:

@@ -36,10 +36,21 @@ def stages() -> dict[str, str]:
 
 def test_targets_build_on_one_base():
     found = stages()
-    assert set(TARGETS) | {"base"} == set(found)
+    assert set(TARGETS) | {"base", "gpu"} == set(found)
+    assert re.match(r"FROM base AS", found["gpu"])
     for target in TARGETS:
-        assert re.match(r"FROM base AS", found[target]), f"{target} must build on the shared base (one Python, one Ray)"
+        parent = "gpu" if target in ("vllm", "sglang") else "base"
+        assert re.match(rf"FROM {parent} AS", found[target]), f"{target} must build on the shared base (one Python, one Ray)"
     assert list(found)[-1] == "cpu", "a plain `docker build` gives the CPU default"
+
+
+def test_gpu_images_carry_a_compiler_and_deepspeed():
+    """Triton compiles its launcher with the system C compiler at the first kernel launch; DeepSpeed
+    is the learner's ZeRO path (learner.deepspeed_stage)."""
+    gpu = stages()["gpu"]
+    assert re.search(r"apt-get install .*\bgcc\b.*\blibc6-dev\b", gpu) and "DS_BUILD_OPS=0" in gpu
+    for engine in ("vllm", "sglang"):
+        assert "deepspeed" in stages()[engine] and "cc --version" in stages()[engine]
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -72,14 +83,15 @@ def test_bubblewrap_installed_as_ci_installs_it():
 def test_engine_images_leave_torch_to_the_engine(engine, tmp_path):
     body = stages()[engine]
     assert "torch==" not in body, f"{engine}: the engine pins its own CUDA torch"
-    assert f"engine_requirements.py pyproject.toml {engine}" in body and "pip install --no-deps ." in body
+    assert f"engine_requirements.py pyproject.toml {engine} deepspeed" in body and "pip install --no-deps ." in body
     script = re.search(r"COPY <<'PY' (\S+)\n(.*?)\nPY\n", DOCKERFILE, re.S)
     assert script and script.group(1) in body
     (tmp_path / "engine_requirements.py").write_text(script.group(2))
     out = subprocess.run([sys.executable, str(tmp_path / "engine_requirements.py"), str(ROOT / "pyproject.toml"),
-                          engine], capture_output=True, text=True, check=True).stdout.split("\n")
+                          engine, "deepspeed"], capture_output=True, text=True, check=True).stdout.split("\n")
     project = PYPROJECT["project"]
-    expected = [d for d in project["dependencies"] if not d.startswith("torch")] + project["optional-dependencies"][engine]
+    expected = ([d for d in project["dependencies"] if not d.startswith("torch")] + project["optional-dependencies"][engine]
+                + project["optional-dependencies"]["deepspeed"])
     assert [line for line in out if line] == expected
     assert any(line.startswith(f"{engine}==") for line in out)
 

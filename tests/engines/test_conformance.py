@@ -242,3 +242,20 @@ def test_weights_corrupted_while_serving_are_detected(served):
 def test_served_noise_is_all_there_in_fp32(served):
     _, eng = served
     assert eng.serve(NoiseSpec(1, 3)).noise_ratio == pytest.approx(1.0, abs=1e-6)
+
+
+def test_a_version_staged_as_a_file_serves_as_the_arrays_do(served, learner, tmp_path):
+    """vLLM with workers in other processes (tensor_parallel_size > 1) gets (m, σ) as a staged file
+    by path: the worker side of that path, on the real engine."""
+    from threepo.services.engines.vllm_engine import stage_version
+
+    backend, eng = served
+    if backend != "vllm":
+        pytest.skip("the staged path is the vLLM engine's")
+    mean, sigma, checksum = learner.published()
+    path = stage_version(mean, sigma, str(tmp_path), "staged")
+    assert eng.rpc("threepo_load_version", 1, path, None, checksum) == [checksum]
+    assert eng.rpc("threepo_held_bytes")[0]["device"] == 0
+    assert eng.serve(NoiseSpec(1, 2026)).loaded_ok
+    requests = _requests(eng)
+    _assert_matches_learner(learner, requests, eng.generate(requests, _params()), 2026, {})
