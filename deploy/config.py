@@ -175,6 +175,9 @@ class RunConfig:
 def _check_sampler(sampler: SamplerConfig, runtime: RuntimeConfig) -> None:
     """What a sampler's engine can do: GPUs asked of Ray per sampler against what the engine uses,
     and sampling settings whose behaviour log-probs the engine reports exactly."""
+    if sampler.batch_invariant and not (sampler.backend == "vllm" and runtime.sampler_gpus > 0):
+        raise ValueError("sampler.batch_invariant: switches on vLLM's batch-invariant GPU kernels; it needs "
+                         "sampler.backend=vllm with runtime.sampler_gpus > 0")
     if sampler.backend == "sglang" and (sampler.top_k or sampler.top_p < 1):
         raise ValueError("sampler.top_k/top_p: SGLang 0.5.23 reports log-probs before top-k/top-p truncation, "
                          "not those of the truncated distribution; leave them off with sglang, or use vllm or hf")

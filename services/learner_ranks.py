@@ -12,8 +12,10 @@ rank's model from the owners (`broadcast_from_owners`). Start-of-step log-probs 
 ranks (rows are disjoint, so the sum is exact), so the drift diagnostics and the sync decision are
 the same on every rank and equal to one learner's.
 
-A failed collective (a peer died, or `timeout_s` passed) raises `GroupBroken`: the group cannot
-continue, and the caller (deploy/learner_group.py) ends the rank so that the driver sees it die.
+A failed collective (a peer died, or `timeout_s` passed) raises `GroupBroken` under gloo: the group
+cannot continue, and the caller (deploy/learner_group.py) ends the rank so that the driver sees it
+die. Under NCCL (learner.device=cuda) nothing is raised on a timeout: torch's NCCL watchdog ends the
+process itself (TORCH_NCCL_ASYNC_ERROR_HANDLING, on by default), which the driver sees the same way.
 
 Not here: Ray (deploy/learner_group.py starts the ranks), the optimizer math (algorithms/).
 """

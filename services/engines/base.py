@@ -52,6 +52,10 @@ class SamplerConfig:
     """hf: most sequences decoded together in one forward pass (128: the default step's 8 prompts ×
     16 rollouts in one pass, 1.1x the tokens/s of two passes of 64 on CPU); vllm/sglang: most
     sequences the engine schedules at once (vLLM `max_num_seqs`, SGLang `max_running_requests`)."""
+    batch_invariant: bool = False
+    """vllm on GPUs: batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so a seeded request's tokens do
+    not depend on what shares its batch (slower; vLLM's CPU build and the hf engine have none to
+    switch on, SGLang runs deterministic inference always)."""
     device: Literal["cpu", "cuda"] = "cpu"
     """hf: where the engine holds its weights and decodes (`cuda`: the GPU Ray gives its actor,
     `runtime.sampler_gpus` ≥ 1). vllm and sglang place themselves (on CUDA where their build has it)."""
@@ -101,7 +105,10 @@ class SamplerConfig:
 @dataclass(frozen=True)
 class EngineRequest:
     """`n` samples of one prompt. Sample j draws from the stream of `seed + j` (vLLM's rule for a
-    seeded request with n > 1), so a request reproduces exactly whatever else shares the batch."""
+    seeded request with n > 1), so a request's draws do not depend on what shares its batch. Its
+    tokens then reproduce where the logits do: on the CPU engines (fp32; log-probs to fp32 rounding),
+    SGLang (deterministic inference, always on) and vLLM on a GPU with `sampler.batch_invariant`; not
+    on the hf engine on a GPU, whose kernels depend on the batch's shape."""
 
     prompt_ids: tuple[int, ...]
     n: int

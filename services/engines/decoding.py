@@ -3,8 +3,9 @@
 Our own loop over the forward with a KV cache, so that the reported behaviour log-probs are exactly
 those of the sampling distribution (temperature, top-k, top-p; algorithms/sampling.py) and nothing is
 hidden in `generate`'s logits processors; temperature 0 is greedy (evaluation). Each sampled row
-draws from the counter stream of its own request seed, so a request reproduces exactly whatever else
-is in the batch; a row ends at any of the call's stop tokens (the prompt encoder's: EOS, the
+draws from the counter stream of its own request seed, so its draws do not depend on what else is in
+the batch (its tokens reproduce where its logits do: on the CPU, to fp32 rounding; not exactly on a
+GPU, whose kernels depend on the batch's shape); a row ends at any of the call's stop tokens (the prompt encoder's: EOS, the
 generation config's, the template's end of turn). `generate_slots` decodes several weight sets'
 rows in shared passes through a lean decoder (engines/lean_decoder.py); a prompt repeated under one
 set (a request's n samples) is prefilled once.

@@ -52,6 +52,8 @@ def configure_environment(cfg: SamplerConfig) -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    if cfg.batch_invariant:
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"  # vLLM 0.33's batch-invariant kernels (vllm/envs.py)
     torch.set_num_threads(cfg.threads)  # vLLM's CPU worker disables set_num_threads once it starts
 
 
