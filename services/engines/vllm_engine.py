@@ -20,7 +20,13 @@ parameter per node, 4 per rank at TP 2) and none holds m or σ on its device (en
 `held_bytes` reports it). (vLLM's RL weight-transfer API over NCCL/IPC is not used: it loads what it
 receives as the served weights, while threepo must hand the workers m and σ and build θ̂ there.)
 
-Settings come from `[sampler]`: dtype, eager mode, KV-cache size on CPU, GPU memory fraction, tensor
+Checked against the pinned 0.33.0 wheel: `LLM(...)`'s arguments are EngineArgs fields there,
+`logprobs_mode="processed_logprobs"` exists, `top_k=0` disables top-k, `TokensPrompt` carries
+`cache_salt` to the renderer, `Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`
+hands the iterator to `model.load_weights`, which consumes it as it goes, and inside a sampler actor
+(no placement group) tensor_parallel_size > 1 takes the multiprocessing executor
+(`vllm/config/parallel.py`), which needs the actor to see that many GPUs (`runtime.sampler_gpus`,
+checked by the config). Settings come from `[sampler]`: dtype, eager mode, KV-cache size on CPU, GPU memory fraction, tensor
 parallel size, max model length, batch size (max_num_seqs). On CPU, vLLM's process-wide thread
 binding is switched off (`VLLM_CPU_OMP_THREADS_BIND=nobind`) and the engine runs with
 `sampler.threads` torch threads, like the hf engine; the engine core runs in this process

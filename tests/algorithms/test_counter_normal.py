@@ -105,3 +105,17 @@ def test_the_estimated_noise_ratio_uses_the_draw_itself_at_its_points():
     exact = param_noise.served_noise_ratio_of(means, thetas, torch.bfloat16)
     # every element a point: the estimate is the exact ratio
     assert param_noise.estimated_noise_ratio(means, sigmas, "bfloat16", seed=11, max_points=1 << 16) == pytest.approx(exact, rel=1e-6)
+
+
+def test_checks_build_every_tensor_on_their_inputs_device():
+    """With factory calls that name no device sent to `meta`, the weight checks and the draw still run
+    on the CPU inputs they are given: what a GPU engine's checks on CUDA tensors need."""
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(300, 500, generator=gen)  # > 65521 elements: the checksum's position columns
+    param_noise._positions.cache_clear()  # built afresh inside the meta context
+    with torch.device("meta"):
+        found = (param_noise.weights_checksum([("w", w)]), param_noise.value_fingerprint([w]),
+                 param_noise.perturbed(w, torch.full_like(w, 1e-3), 3, "w"))
+    expected = (param_noise.weights_checksum([("w", w)]), param_noise.value_fingerprint([w]),
+                param_noise.perturbed(w, torch.full_like(w, 1e-3), 3, "w"))
+    assert found[:2] == expected[:2] and torch.equal(found[2], expected[2])

@@ -43,6 +43,8 @@ def test_bad_values_name_the_key(override, message):
     (["sampler.backend=sglang"], "runs on CUDA only"),
     (["sampler.backend=vllm", "runtime.sampler_gpus=1", "sampler.tensor_parallel_size=2"], "does not cover"),
     (["sampler.tensor_parallel_size=2"], "the hf engine runs on one device"),
+    (["sampler.batch_invariant=true"], "needs sampler.backend=vllm with runtime.sampler_gpus > 0"),
+    (["runtime.eval_gpus=0.1"], "unless eval.device=cuda"),
 ])
 def test_contradictory_combinations_are_rejected_at_start(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -260,3 +260,22 @@ def test_decoding_builds_every_tensor_on_the_engines_device(tiny_dense_path):
     assert [r[:2] for r in found] == [r[:2] for r in expected] and all(r[0].loaded_ok and r[1] for r in found)
     assert [[[s.token_ids for s in q] for q in r[2]] for r in found] == [[[s.token_ids for s in q] for q in r[2]] for r in expected]
     assert len(greedy[0]) == 2 and greedy[0][0].token_ids == greedy[0][1].token_ids
+
+
+def test_a_model_without_a_pad_token_samples_padded_batches(tiny_dense_path, tmp_path):
+    """Llama-family checkpoints often ship no pad token: rows of different lengths are padded with the
+    first stop token instead, and sampling runs as with one."""
+    import shutil
+
+    from threepo.services.modeling import load_tokenizer
+
+    path = tmp_path / "no-pad"
+    shutil.copytree(tiny_dense_path, path)
+    tokenizer = load_tokenizer(str(path))
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(path)
+    engine = HFEngine(str(path), SamplerConfig(batch_size=8, seed=3))
+    assert engine.tokenizer.pad_token_id is None
+    out = engine.generate([EngineRequest((5, 6, 7), 2, seed=1), EngineRequest((9,), 2, seed=2)],
+                          SamplingParams(max_new_tokens=5))
+    assert [len(r) for r in out] == [2, 2] and all(s.token_ids for r in out for s in r)
