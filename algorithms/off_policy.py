@@ -90,8 +90,9 @@ def correction_weights(kind: str, logp: torch.Tensor, logp_behav: torch.Tensor, 
 
         none       w_t = M_t                       token_tis  w_t = min(ρ_t, C)
         seq_tis    w_t = min(Π_s ρ_s, C) · M_t     seq_mis    w_t = Π_s ρ_s · keep, keep = M ∧ (Π_s ρ_s ≤ C)
+        token_mis  w_t = ρ_t · keep_t, keep_t = M_t ∧ (ρ_t ≤ C)
 
-    Only seq_mis changes the mask (rejected sequences leave the loss denominator)."""
+    The two MIS kinds change the mask (rejected sequences or tokens leave the loss denominator)."""
     match kind:
         case "none":
             return mask.to(logp.dtype), mask
@@ -103,7 +104,10 @@ def correction_weights(kind: str, logp: torch.Tensor, logp_behav: torch.Tensor, 
             w, keep = seq_mis_weights(logp, logp_behav, mask, cap=cap)
             keep_tok = mask * keep.to(mask.dtype)
             return w[:, None] * keep_tok, keep_tok
-    raise ValueError(f"kind must be one of none, token_tis, seq_tis, seq_mis, got {kind!r}")
+        case "token_mis":
+            w, keep = token_mis_weights(logp, logp_behav, mask, cap=cap)
+            return w, keep.to(mask.dtype)
+    raise ValueError(f"kind must be one of none, token_tis, seq_tis, seq_mis, token_mis, got {kind!r}")
 
 
 def kish_ess_fraction(log_w: torch.Tensor) -> torch.Tensor:

@@ -40,13 +40,6 @@ def sampling_logprobs(logits: torch.Tensor, *, temperature: float, top_k: int = 
     return torch.log_softmax(z, dim=-1)
 
 
-def sample_from_logprobs(logp: torch.Tensor, generator: torch.Generator | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row: v ~ exp(logp). Shapes: logp [B, V] -> (tokens [B], logp of them [B])."""
-    tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
-
-
 _GOLDEN, _M1, _M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 

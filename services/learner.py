@@ -278,11 +278,11 @@ class Learner:
         if len(parts) == 1:
             return self._micro_backward(batch, rows, advantages, logp_prox, None)
         mask = batch.mask[rows]
-        if self.algo.is_correction == "seq_mis":  # its mask needs π_prox before the first micro-batch's loss
+        if self.algo.is_correction in ("seq_mis", "token_mis"):  # the mask needs π_prox before the first loss
             if logp_prox is None:
                 with torch.no_grad():
                     logp_prox = torch.cat([self._logprobs(batch, part) for part in parts])
-            mask = off_policy.correction_weights("seq_mis", logp_prox, batch.logp_behav[rows], mask,
+            mask = off_policy.correction_weights(self.algo.is_correction, logp_prox, batch.logp_behav[rows], mask,
                                                  cap=self.algo.is_cap)[1]
         agg = self.ranks.denominators(mask) or denominators(mask)
         return over_micro_batches(parts, batch.mask, advantages, logp_prox,

@@ -83,8 +83,10 @@ class AlgoConfig:
     plain retry — the only kind grpo, which serves the mean, has)."""
     solved_group_scale: float = 1.0
     """σ multiplier of a re-admitted all-pass prompt's slots; 1 = all-pass prompts are not re-admitted."""
-    is_correction: Literal["none", "token_tis", "seq_tis", "seq_mis"] = "seq_tis"
-    """Off-policy correction π_prox/μ against each rollout's own behaviour log-probs (§5.6)."""
+    is_correction: Literal["none", "token_tis", "seq_tis", "seq_mis", "token_mis"] = "seq_tis"
+    """Off-policy correction π_prox/μ against each rollout's own behaviour log-probs (§5.6): truncated
+    (tis: weights capped at `is_cap`) or masked (mis: sequences or tokens above it rejected), per token
+    or per sequence."""
     is_cap: float = 2.0
     """Truncation / rejection threshold C of the importance weights."""
     entropy_coef: float = 0.0

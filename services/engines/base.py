@@ -170,12 +170,5 @@ class Engine(Protocol):
     # samples each group under its own slot in shared forward passes, with each slot's weight check,
     # leaving what `serve` serves untouched.
 
-    def pause(self) -> None:
-        """Stop scheduling new work until `resume` (engines whose `generate` is one blocking call
-        are at a request boundary between calls, so this only records the state)."""
-
-    def resume(self) -> None:
-        """Undo `pause`."""
-
     def close(self) -> None:
         """Release the engine's resources."""

@@ -56,7 +56,7 @@ class HFEngine:
         self._sigma: dict[str, torch.Tensor] | None = None
         self.version, self.mean_checksum = 0, param_noise.weights_checksum(self._mean.items())
         self._mean_fingerprint = param_noise.value_fingerprint(self.model.parameters())
-        self.paused, self._serving = False, NoiseSpec(posterior_version=0, seed=None)
+        self._serving = NoiseSpec(posterior_version=0, seed=None)
         self.report = self.serve(self._serving)
 
     def load_version(self, version: int, mean: Mapping[str, np.ndarray],
@@ -133,7 +133,6 @@ class HFEngine:
         slots per pass as the bank holds). Per group: the `ServeReport` that `serve` would give,
         whether its weights were unchanged after sampling, and the samples. What `serve` serves is
         left as it was. Only where `slots_together` (the lean decoder's families)."""
-        self._check_running()
         if not self.slots_together:
             raise ValueError(f"engine {self.engine_id}: {type(self.model).__name__} has no lean decoder to "
                              "decode several slots together; serve and generate them one at a time")
@@ -163,12 +162,7 @@ class HFEngine:
         """Can `generate_slots` decode several slots in shared passes (the lean decoder applies)?"""
         return self.lean
 
-    def _check_running(self) -> None:
-        if self.paused:
-            raise RuntimeError(f"engine {self.engine_id} is paused: resume() before generate")
-
     def generate(self, requests: Sequence[EngineRequest], params: SamplingParams) -> list[list[GeneratedSample]]:
-        self._check_running()
         lean = None
         if self.lean:
             served = self._mean_set if self._serving.seed is None else self.bank.sets(self._rows([self._serving]))
@@ -188,12 +182,6 @@ class HFEngine:
         if self.lean:
             return self.bank.holds(self._rows([self._serving])[0])
         return param_noise.value_fingerprint(self.model.parameters()) == self._slot_fingerprint
-
-    def pause(self) -> None:
-        self.paused = True
-
-    def resume(self) -> None:
-        self.paused = False
 
     def close(self) -> None:
         self.model = None

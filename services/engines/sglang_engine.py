@@ -26,7 +26,7 @@ top-k / top-p truncation and without renormalising over the kept tokens
 (`SGLANG_RETURN_ORIGINAL_LOGPROB` unset), which are not the behaviour log-probs of a truncated
 distribution: this engine therefore samples at temperature only (top_k 0, top_p 1; the config refuses
 others with `sampler.backend=sglang`, and `generate` raises). 0.5.23's `Engine` has no pause or
-resume of generation: `pause` and `resume` only gate this adapter's `generate`.
+resume of generation, and threepo needs none: this adapter calls the engine one call at a time.
 
 SGLang cannot be installed on the CPU machines this project is built on (CUDA-only wheels): this
 adapter runs the conformance suite against a fake of the 0.5.23 `Engine` (tests/engines/fake_sglang.py:
@@ -94,7 +94,7 @@ class SGLangEngine:
             mem_fraction_static=cfg.gpu_memory_utilization, random_seed=cfg.seed,
             max_running_requests=cfg.batch_size, context_length=cfg.max_model_len or None,
             custom_weight_loader=list(LOADERS.values()), enable_deterministic_inference=True)
-        self.version, self.mean_checksum, self.paused, self._noise_ratio = 0, "", False, 1.0
+        self.version, self.mean_checksum, self._noise_ratio = 0, "", 1.0
         self.served_dtype = dtype if cfg.dtype == "auto" else cfg.dtype
         self.report = ServeReport(0, None, "", True, 1.0, detail="checkpoint as loaded by SGLang")
 
@@ -153,8 +153,6 @@ class SGLangEngine:
         return (False, "; ".join(failed)) if failed else (True, "")
 
     def generate(self, requests: Sequence[EngineRequest], params: SamplingParams) -> list[list[GeneratedSample]]:
-        if self.paused:
-            raise RuntimeError(f"engine {self.engine_id} is paused: resume() before generate")
         if params.top_k or params.top_p < 1:
             raise ValueError(f"engine {self.engine_id}: SGLang 0.5.23 reports log-probs before top-k/top-p "
                              f"truncation; sample with temperature only (got top_k {params.top_k}, top_p {params.top_p})")
@@ -176,12 +174,6 @@ class SGLangEngine:
     def verify(self) -> bool:
         ok, _ = self._update([control("verify", [])], "verify", flush_cache=False)
         return ok
-
-    def pause(self) -> None:
-        self.paused = True
-
-    def resume(self) -> None:
-        self.paused = False
 
     def close(self) -> None:
         self.engine.shutdown()

@@ -78,7 +78,7 @@ class VLLMEngine:
                        tensor_parallel_size=cfg.tensor_parallel_size, max_num_seqs=cfg.batch_size,
                        max_model_len=cfg.max_model_len or None, enable_prefix_caching=True)
         self.tokenizer = self.llm.get_tokenizer()
-        self.version, self.mean_checksum, self.paused = 0, "", False
+        self.version, self.mean_checksum = 0, ""
         self.report = ServeReport(0, None, "", True, 1.0, detail="checkpoint as loaded by vLLM")
         self.starts = 1  # constant: a version or slot never restarts the engine
         self.staged: str | None = None  # the staged (m, σ) file workers in other processes map
@@ -122,8 +122,6 @@ class VLLMEngine:
         from vllm import SamplingParams as VllmParams
         from vllm.inputs import TokensPrompt
 
-        if self.paused:
-            raise RuntimeError(f"engine {self.engine_id} is paused: resume() before generate")
         salt = f"v{self.version}-s{self.report.seed}x{self.report.scale!r}-{self.mean_checksum[:8]}"
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids), cache_salt=salt) for r in requests]
         sampling = [VllmParams(n=r.n, seed=r.seed % (1 << 63), temperature=params.temperature,
@@ -148,12 +146,6 @@ class VLLMEngine:
         return {"ranks": ranks, "device_bytes_per_rank": device, "host_bytes_per_rank": host,
                 "device_bytes_per_param_per_rank": device / params if params else 0.0,
                 "host_bytes_per_param_per_rank": host / params if params else 0.0}
-
-    def pause(self) -> None:
-        self.paused = True
-
-    def resume(self) -> None:
-        self.paused = False
 
     def close(self) -> None:
         import gc

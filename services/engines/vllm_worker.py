@@ -105,15 +105,6 @@ class ThreepoWorkerExtension:
         now = self._threepo_fingerprint()
         return now[2] and now == self._threepo_loaded
 
-    def threepo_corrupt_for_test(self, scale: float) -> str:
-        """Fault injection for tests: scale one element of the first readable weight in place."""
-        for name, p in self.model_runner.get_model().named_parameters():
-            if p.numel():
-                with torch.no_grad():
-                    p.view(-1)[0] *= scale
-                return name
-        raise RuntimeError("no readable parameter to corrupt")
-
     def _threepo_fingerprint(self) -> tuple[int, int, bool]:
         """Fingerprint of the served weights as the forward pass uses them, and whether every CPU
         packed copy of a readable weight (a tied lm_head's oneDNN copy) still equals that weight."""

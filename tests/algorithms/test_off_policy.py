@@ -197,5 +197,8 @@ def test_correction_weights_of_each_kind_by_hand():
     assert w.shape == m.shape == mask.shape
     torch.testing.assert_close(w, torch.tensor([[0.0, 0.0], [0.5, 0.0]], dtype=F64), rtol=1e-12, atol=0)
     torch.testing.assert_close(m, torch.tensor([[0.0, 0.0], [1.0, 0.0]], dtype=F64))
+    w, m = correction_weights("token_mis", logp, behav, mask, cap=1.5)  # the ρ = 2 tokens rejected
+    torch.testing.assert_close(w, torch.tensor([[0.0, 0.0], [0.5, 0.0]], dtype=F64), rtol=1e-12, atol=0)
+    torch.testing.assert_close(m, torch.tensor([[0.0, 0.0], [1.0, 0.0]], dtype=F64))
     with pytest.raises(ValueError, match="kind"):
         correction_weights("tis", logp, behav, mask, cap=3.0)

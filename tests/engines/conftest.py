@@ -38,6 +38,11 @@ class EngineHost:
     def rpc(self, method: str, *args):
         return self.engine.llm.collective_rpc(method, args=args)
 
+    def corrupt(self, scale: float) -> list:
+        """Fault injection inside every vLLM worker (a callable given to `collective_rpc` runs with the
+        worker as its first argument): scale one element of its first readable weight in place."""
+        return self.engine.llm.collective_rpc(corrupt_first_weight, args=(scale,))
+
     def chat_ids(self, messages: list) -> list:
         """What vLLM's own chat path makes of `messages`: its tokenizer renders the model's template,
         then tokenizes the text without adding special tokens (`LLM.chat`)."""
@@ -48,6 +53,17 @@ class EngineHost:
     def identity(self) -> tuple[int, int]:
         """(process id, id of the backend's engine object): unchanged unless the engine restarted."""
         return self.pid, id(self.engine.llm)
+
+
+def corrupt_first_weight(worker, scale: float) -> str:
+    import torch
+
+    for name, p in worker.model_runner.get_model().named_parameters():
+        if p.numel():
+            with torch.no_grad():
+                p.view(-1)[0] *= scale
+            return name
+    raise RuntimeError("no readable parameter to corrupt")
 
 
 class RemoteEngine:
@@ -65,6 +81,11 @@ class RemoteEngine:
         import ray
 
         return ray.get(self.actor.rpc.remote(method, *args))
+
+    def corrupt(self, scale: float) -> list:
+        import ray
+
+        return ray.get(self.actor.corrupt.remote(scale))
 
     def identity(self):
         import ray

@@ -229,7 +229,7 @@ def test_weights_corrupted_while_serving_are_detected(served):
         with torch.no_grad():
             next(iter(eng.served().values())).view(-1)[0] *= 1.5
     elif backend == "vllm":
-        eng.rpc("threepo_corrupt_for_test", 1.5)
+        eng.corrupt(1.5)
     elif backend == "sglang_fake":
         with torch.no_grad():
             next(eng.engine.model.parameters()).view(-1)[0] *= 1.5

@@ -332,7 +332,7 @@ def test_the_drift_of_a_scaled_slot_is_measured_against_the_slot_with_its_own_sc
     assert wrong.metrics["kl_k3_drift"] > 1e-3 and wrong.publish
 
 
-@pytest.mark.parametrize("is_correction", ["none", "token_tis", "seq_tis", "seq_mis"])
+@pytest.mark.parametrize("is_correction", ["none", "token_tis", "seq_tis", "seq_mis", "token_mis"])
 def test_every_correction_takes_a_step(sampler, tiny_dense_path, is_correction):
     # seq_mis broadcast its keep mask to [B, B, T] before (the loss then failed its shape check)
     learner = _learner(tiny_dense_path, is_correction=is_correction)
@@ -399,7 +399,8 @@ def test_an_error_in_the_process_beside_the_update_fails_the_step_and_the_next_o
 
 @pytest.mark.parametrize("optim,is_correction,entropy,budget", [("ivon", "seq_tis", 0.0, None),
                                                                   ("adamw", "seq_mis", 0.01, None),
-                                                                  ("ivon", "seq_mis", 0.0, 150_000)])
+                                                                  ("ivon", "seq_mis", 0.0, 150_000),
+                                                                  ("ivon", "token_mis", 0.0, None)])
 def test_a_step_in_micro_batches_equals_the_whole_update(sampler, tiny_dense_path, optim, is_correction, entropy,
                                                          budget):
     # activation_mb=1 holds one group of 8 rows of the tiny model: every update runs in micro-batches of
