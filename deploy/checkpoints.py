@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 
 from threepo.services import checkpoint as ckpt
 from threepo.services.errors import MissingPathError
@@ -56,8 +55,7 @@ def commit(pending: Pending, run_dir: str, keep: int, metrics: Metrics | None = 
     with open(os.path.join(run_dir, "config.toml"), "rb") as f:
         config_bytes = f.read()
     files = {"driver.json": json.dumps(pending.driver).encode(), "config.toml": config_bytes}
-    meta = {"rng": _jsonable(ckpt.capture_rng_state())}
-    path = ckpt.commit_checkpoint(os.path.join(run_dir, "checkpoints"), pending.step, pending.tmp, files, meta,
+    path = ckpt.commit_checkpoint(os.path.join(run_dir, "checkpoints"), pending.step, pending.tmp, files, {},
                                   keep=keep)
     _checkpoint_seconds(metrics).observe(time.perf_counter() - pending.started)
     return str(path)
@@ -122,14 +120,3 @@ def find_run_dir(resume: str, args) -> str:
                                "expected a previous `threepo train` run (name=..., runs_dir=...)")
     return runs[-1]
 
-
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, bytes):
-        return value.hex()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    return value

@@ -49,8 +49,8 @@ class RuntimeConfig:
     """Admission bound: prompts are admitted only while every admitted group will be consumed
     within this many learner steps after the current one (admission control, never discarding)."""
     num_samplers: int = 1
-    """Sampler engine actors (each serves one slot at a time; on 2 cores one engine beside the
-    learner is fastest: it serves every slot in turn); 0 = elastic: one sampler per unit of
+    """Sampler engine actors (the hf engine decodes a call's slots together, vllm and sglang serve them
+    one at a time; on 2 cores one engine beside the learner is fastest); 0 = elastic: one sampler per unit of
     `runtime.sampler_resource` the cluster offers, started as nodes join, dropped (their work
     re-issued) as nodes leave."""
     sampler_resource: str = "threepo_sampler"

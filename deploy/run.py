@@ -13,7 +13,9 @@ completes. The synchronous mode is the same loop with the admission rule that wa
 Completions never pass through the driver: a sampler's `CompletionBatch` goes from the object store
 to a verifier and to the learner; the driver reads the small `GenerateReport` and `ScoreBatch` and
 keeps ids, counts and row positions in its `Ledger` (deploy/bookkeeping.py, a plain class with its
-own tests). This is the only place that knows Ray futures.
+own tests). The loop's own waiting (which role's result arrives next) is here; the roles' start-up and
+calls that complete before the loop goes on live in deploy/actors.py, learner_group.py, limiter.py
+and checkpoints.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Atomic checkpoint directories, RNG state capture, and safetensors helpers.
+"""Atomic checkpoint directories and safetensors helpers.
 
 Layout under a checkpoint root (operations.md §4.2, the verl/SkyRL tracker pattern):
 
@@ -13,7 +13,7 @@ complete directory and otherwise fall back to the newest complete one (the point
 if the writer died between the rename and the pointer update).
 
 What goes in a checkpoint is the caller's business (the learner and driver: posterior versions,
-IVON state, model, RNG states, data cursor, consumed ids, plan seeds, resolved config); this module
+IVON state, model, data cursor, consumed ids, plan seeds, resolved config); this module
 only makes writing it atomic. Not safe for two writers on one root at once.
 """
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import secrets
 import shutil
@@ -184,38 +183,6 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 def read_meta(checkpoint: str | os.PathLike) -> dict[str, Any]:
     """The meta dict of a checkpoint directory (with its `step`)."""
     return json.loads((Path(checkpoint) / META).read_text())
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """Global RNG states of python `random`, numpy's legacy global RandomState, torch CPU and
-    (when available) every CUDA device. Values are msgpack-native (ints, floats, bytes, lists), so
-    `msgpack.packb(state)` stores it; `restore_rng_state` accepts the unpacked form."""
-    import torch
-
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    state: dict[str, Any] = {
-        "python": [version, list(internal), gauss],
-        "numpy": [kind, keys.astype(np.uint32).tobytes(), int(pos), int(has_gauss), float(cached)],
-        "torch": torch.get_rng_state().numpy().tobytes(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Set the global RNGs back to `state` from `capture_rng_state`. A CUDA state is restored when
-    CUDA is available (resuming a GPU run's checkpoint on CPU ignores it)."""
-    import torch
-
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.frombuffer(keys, dtype=np.uint32).copy(), pos, has_gauss, cached))
-    torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in state["cuda"]])
 
 
 def save_tensors(path: str | os.PathLike, tensors: Mapping[str, Any]) -> None:

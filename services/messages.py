@@ -140,8 +140,8 @@ class RolloutRequest:
     dead-group-aware exploration).
 
     `request_id` is unique per admitted request and deterministic (group id + slot), so a request
-    re-issued after a sampler crash yields completions with the same ids, which the learner then
-    de-duplicates (exactly-once consumption)."""
+    re-issued after a sampler crash yields completions with the same ids, which the driver's ledger
+    then drops as duplicates (exactly-once consumption, deploy/bookkeeping.py)."""
 
     request_id: str
     group_id: str
