@@ -4,7 +4,7 @@ Qwen2 built from a config (random weights, bf16), written as one JSON report.
 Needs only torch, transformers, safetensors, numpy, msgpack and threepo (no Ray, no vLLM), so it runs
 on a bare CUDA box in under 10 minutes:
 
-    python3 benchmarks/gpu_check.py                      # on one GPU: results/gpu_check.json
+    python3 benchmarks/gpu_check.py                      # on one GPU: benchmarks/results/gpu_check.json
     python3 benchmarks/gpu_check.py --dry-run            # CPU self-check: the tier with the CPU as target,
                                                          # the measurements on a tiny model (CI runs this)
 
@@ -180,7 +180,7 @@ def part_learner(path: str, device: str, tokens: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU self-check: the tier with the CPU as target, tiny model")
-    ap.add_argument("--out", default=os.path.join(ROOT, "results", "gpu_check.json"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "gpu_check.json"))
     ap.add_argument("--parts", nargs="+", default=["tier", "noise", "engine", "learner"],
                     choices=["tier", "noise", "engine", "learner"])
     args = ap.parse_args(argv)
