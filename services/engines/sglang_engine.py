@@ -7,8 +7,10 @@ The same design as the vLLM engine, through SGLang's weight API as the pinned 0.
 named_tensors, load_format=<loader>, flush_cache=...)` call, which SGLang runs inside every
 tensor-parallel worker as `loader(model, named_tensors)`. 0.5.23 refuses tensor updates outside a
 weight-update session, so each call is wrapped in `begin_weight_update()` / `end_weight_update()`.
-- `load_version` sends m and σ (fp32) with load_format `store`: each worker checks the mean's
-  checksum, keeps (m, σ) on its device and serves the mean;
+- `load_version` stages (m, σ) once as a fp32 file in shared memory (engines/staging.py) and sends
+  its path with load_format `store` (`update_weights_from_tensor` would move m and σ onto every
+  rank's device): each worker maps it, checks the mean's checksum and serves the mean; no worker
+  holds m or σ on its device. Tensor-parallel workers must share the node (the file is node-local);
 - `serve` sends only the seed and the slot's σ multiplier c with load_format `serve`: each worker
   builds θ̂ = m + c · σ ⊙ z(seed, name) from HF names and feeds it to `model.load_weights` (fusion and
   sharding are SGLang's), then compares the fingerprint of what the model holds with what it fed;
@@ -48,6 +50,7 @@ from threepo.algorithms.param_noise import estimated_noise_ratio
 from threepo.services.engines.base import (EngineRequest, GeneratedSample, SamplerConfig, ServeReport,
                                            WeightsMismatch)
 from threepo.services.engines.sglang_loader import STATUS_ENV
+from threepo.services.engines.staging import remove_staged, stage_version, staging_dir
 from threepo.services.messages import NoiseSpec, SamplingParams
 
 _LOADER = "threepo.services.engines.sglang_loader"
@@ -84,7 +87,7 @@ class SGLangEngine:
         # the loaders' status files; SGLang's workers inherit the variable when the engine spawns them
         self.status_dir = tempfile.mkdtemp(prefix=f"threepo-sglang-{engine_id}-")
         os.environ[STATUS_ENV] = self.status_dir
-        self._calls = 0
+        self._calls, self.staged = 0, None
         if engine_factory is None:
             import sglang
 
@@ -102,12 +105,15 @@ class SGLangEngine:
                      sigma: Mapping[str, np.ndarray] | None, mean_checksum: str) -> None:
         import torch
 
-        named = [(f"m/{n}", torch.from_numpy(np.asarray(a, dtype=np.float32))) for n, a in mean.items()]
-        named += [(f"s/{n}", torch.from_numpy(np.asarray(a, dtype=np.float32))) for n, a in (sigma or {}).items()]
-        named += [control("version", [version]), checksum_tensor(mean_checksum)]
+        path = stage_version(mean, sigma, staging_dir(), f"threepo-sglang-{os.getpid()}-{self.engine_id}-v{version}")
+        named = [(f"{_CONTROL}/path", torch.tensor(list(path.encode()), dtype=torch.uint8)),
+                 control("version", [version]), checksum_tensor(mean_checksum)]
         ok, message = self._update(named, "store", flush_cache=True)
         if not ok:
+            remove_staged(path)
             raise WeightsMismatch(f"engine {self.engine_id}: version {version} refused by a worker: {message}")
+        remove_staged(self.staged)  # the workers mapped the new file
+        self.staged = path
         self.version, self.mean_checksum = version, mean_checksum
         # the workers hold (m, σ); the served-noise ratio is estimated here from a subsample
         self._noise_ratio = estimated_noise_ratio(mean, sigma or {}, self.served_dtype, seed=version)
@@ -180,6 +186,7 @@ class SGLangEngine:
         import shutil
 
         shutil.rmtree(self.status_dir, ignore_errors=True)
+        remove_staged(self.staged)
 
 
 def _sample(output: dict) -> GeneratedSample:

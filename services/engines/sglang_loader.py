@@ -12,12 +12,14 @@ by the `THREEPO_SGLANG_STATUS` environment variable (the adapter sets it before 
 workers, which inherit it; r is the worker's torch.distributed rank), and the adapter reads every
 rank's file after the call.
 
-- `store`: tensors `m/<name>`, `s/<name>`, `__threepo__/version`, `__threepo__/checksum`: check the
-  mean's exact checksum, keep fp32 (m, σ) and serve the mean;
+- `store`: `__threepo__/path` (the UTF-8 bytes of a staged (m, σ) file, engines/staging.py),
+  `__threepo__/version`, `__threepo__/checksum`: map the file (host memory shared by the node's ranks;
+  nothing of m or σ goes to the device), check the mean's exact checksum, serve the mean;
 - `serve`: `__threepo__/seed` (empty: the mean) and `__threepo__/scale` (float64, the slot's σ
-  multiplier c): build θ̂ = m + c · σ ⊙ z(seed, name) in fp32, cast to the model's dtype,
-  `model.load_weights`, and compare the layout-invariant fingerprint of the model's parameters with
-  the fed tensors (single-rank only: tensor-parallel ranks hold shards);
+  multiplier c): build θ̂ = m + c · σ ⊙ z(seed, name) in fp32 on the model's device tensor by tensor,
+  cast to the model's dtype and stream it into `model.load_weights`, then compare the
+  layout-invariant fingerprint of the model's parameters with the fed tensors (single-rank only:
+  tensor-parallel ranks hold shards);
 - `verify`: the served weights are still those loaded.
 Every call carries `__threepo__/call`, the number its outcome is written under.
 
@@ -34,6 +36,7 @@ import os
 import torch
 
 from threepo.algorithms import param_noise
+from threepo.services.engines.staging import mapped_safetensors
 
 _STATE: dict[int, dict] = {}
 _CONTROL = "__threepo__/"
@@ -63,8 +66,9 @@ def _reported(op):
 
 
 def _store(model: torch.nn.Module, tensors: dict) -> None:
-    mean = {n[2:]: t.float() for n, t in tensors.items() if n.startswith("m/")}
-    sigma = {n[2:]: t.float() for n, t in tensors.items() if n.startswith("s/")}
+    staged = mapped_safetensors(bytes(tensors[_CONTROL + "path"].cpu().tolist()).decode())
+    mean = {n[2:]: t for n, t in staged.items() if n.startswith("m/")}
+    sigma = {n[2:]: t for n, t in staged.items() if n.startswith("s/")}
     words = tensors[_CONTROL + "checksum"].tolist()
     expected = "".join(f"{w:08x}" for w in words)
     received = param_noise.weights_checksum(mean.items())
@@ -81,14 +85,22 @@ def _serve(model: torch.nn.Module, tensors: dict) -> None:
     scale = float(tensors[_CONTROL + "scale"][0])
     if seed is not None and state["sigma"] is None:
         raise RuntimeError(f"threepo: version {state['version']} has no σ, so seed {seed} cannot be served")
-    dtype = next(model.parameters()).dtype
-    theta = param_noise.perturbed_state(state["mean"], state["sigma"] or {}, seed, scale)
-    served = [(n, t.to(dtype)) for n, t in theta.items()]
+    first = next(model.parameters())
+    sigma, fed = state["sigma"] or {}, []
+
+    def served():
+        for name, m in state["mean"].items():
+            m = m.to(first.device)
+            theta = param_noise.perturbed(m, sigma[name].to(first.device), seed, name, scale) if seed is not None else m
+            cast = theta.to(first.dtype)
+            fed.append(param_noise.value_fingerprint([cast]))
+            yield name, cast
+
     state["loaded"] = None  # until the load below has completed
-    model.load_weights(served)
+    model.load_weights(served())
     state["loaded"] = _fingerprint(model)
     single_rank = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
-    if single_rank and state["loaded"] != param_noise.value_fingerprint(t for _, t in served):
+    if single_rank and state["loaded"] != param_noise.combined_fingerprint(fed):
         raise RuntimeError(f"threepo: after loading seed {seed} the model holds other values than were fed")
 
 

@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from threepo.services.engines.base import (EngineRequest, GeneratedSample, SamplerConfig, ServeReport,
                                            WeightsMismatch)
+from threepo.services.engines.staging import remove_staged as _remove
+from threepo.services.engines.staging import stage_version, staging_dir
 from threepo.services.messages import NoiseSpec, SamplingParams
 
 WORKER_EXTENSION = "threepo.services.engines.vllm_worker.ThreepoWorkerExtension"
@@ -153,33 +154,6 @@ class VLLMEngine:
         del self.llm
         gc.collect()
         _remove(self.staged)
-
-
-def staging_dir() -> str:
-    """Where staged (m, σ) files go: shared memory where the machine has it, else the temp directory."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
-def stage_version(mean: Mapping[str, np.ndarray], sigma: Mapping[str, np.ndarray] | None, directory: str,
-                  stem: str) -> str:
-    """(m, σ) as one fp32 safetensors file `<directory>/<stem>.safetensors` (tensors `m/<name>`,
-    `s/<name>`), written whole before it is named; returns its path."""
-    from safetensors.numpy import save_file
-
-    tensors = {f"m/{n}": np.ascontiguousarray(a, dtype=np.float32) for n, a in mean.items()}
-    tensors.update({f"s/{n}": np.ascontiguousarray(a, dtype=np.float32) for n, a in (sigma or {}).items()})
-    path = os.path.join(directory, stem + ".safetensors")
-    save_file(tensors, path + ".part")
-    os.replace(path + ".part", path)
-    return path
-
-
-def _remove(path: str | None) -> None:
-    if path:
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            pass
 
 
 def _sample(c) -> GeneratedSample:

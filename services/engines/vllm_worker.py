@@ -32,13 +32,11 @@ imports only torch and threepo.algorithms (vLLM imports it inside every worker).
 
 from __future__ import annotations
 
-import json
-import struct
-
 import numpy as np
 import torch
 
 from threepo.algorithms import param_noise
+from threepo.services.engines.staging import mapped_safetensors
 
 
 class ThreepoWorkerExtension:
@@ -120,27 +118,6 @@ class ThreepoWorkerExtension:
                 tensors.append(_packed_weight(module, p.dtype, module.input_size_per_partition)
                                if packed and p.numel() == 0 else p)
         return (*param_noise.value_fingerprint(tensors), consistent)
-
-
-def mapped_safetensors(path: str) -> dict[str, torch.Tensor]:
-    """The fp32 tensors of a safetensors file as views of one private mapping of it: nothing is read
-    until used, and processes mapping the same file share its pages (written pages would be copied,
-    never written back; the worker only reads)."""
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-    flat = torch.from_file(path, shared=False, size=8 + header_len + max(
-        (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0), dtype=torch.uint8)
-    data = flat[8 + header_len:]
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        if meta["dtype"] != "F32":
-            raise ValueError(f"{path}: {name} is {meta['dtype']}, the staged (m, σ) are F32")
-        start, end = meta["data_offsets"]
-        out[name] = data[start:end].view(torch.float32).view(meta["shape"])
-    return out
 
 
 def _repack_tied_cpu_weights(model: torch.nn.Module) -> None:

@@ -247,7 +247,7 @@ def test_served_noise_is_all_there_in_fp32(served):
 def test_a_version_staged_as_a_file_serves_as_the_arrays_do(served, learner, tmp_path):
     """vLLM with workers in other processes (tensor_parallel_size > 1) gets (m, σ) as a staged file
     by path: the worker side of that path, on the real engine."""
-    from threepo.services.engines.vllm_engine import stage_version
+    from threepo.services.engines.staging import stage_version
 
     backend, eng = served
     if backend != "vllm":

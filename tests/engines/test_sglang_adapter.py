@@ -4,6 +4,8 @@ call that fails unless every tensor-parallel rank reported it, temperature-only 
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -63,3 +65,24 @@ def test_the_fake_keeps_the_pinned_rules(tiny_dense_path):
     ok, message = fake.update_weights_from_tensor([], load_format="threepo.services.engines.sglang_loader.verify")
     assert not ok and "begin_weight_update" in message
     assert not hasattr(fake, "pause_generation") and not hasattr(fake, "continue_generation")
+
+
+def test_a_version_reaches_the_workers_as_a_staged_file_not_as_tensors(tiny_dense_path):
+    """update_weights_from_tensor would move every tensor it carries onto each rank's device: the
+    adapter sends only control tensors, and the workers map (m, σ) from the staged file."""
+    from threepo.services.engines import sglang_loader
+
+    eng = SGLangEngine(tiny_dense_path, SamplerConfig(backend="sglang"), engine_factory=FakeSGLangEngine)
+    sent, update = [], eng.engine.update_weights_from_tensor
+    eng.engine.update_weights_from_tensor = lambda named, **kw: (sent.append([n for n, _ in named]), update(named, **kw))[1]
+    mean, sigma, checksum = _published(tiny_dense_path)
+    eng.load_version(1, mean, sigma, checksum)
+    assert all(n.startswith("__threepo__/") for n in sent[0])
+    held = sglang_loader._STATE[id(eng.engine.model)]
+    storages = {t.untyped_storage().data_ptr() for t in [*held["mean"].values(), *held["sigma"].values()]}
+    assert len(storages) == 1  # views of one mapping of the staged file
+    first = eng.staged
+    eng.load_version(2, mean, sigma, checksum)
+    assert not os.path.exists(first) and os.path.exists(eng.staged)
+    eng.close()
+    assert not os.path.exists(eng.staged)

@@ -15,8 +15,9 @@ import torch
 
 from threepo.algorithms import param_noise
 from threepo.services.engines.base import SamplerConfig
-from threepo.services.engines.vllm_engine import VLLMEngine, stage_version
-from threepo.services.engines.vllm_worker import ThreepoWorkerExtension, mapped_safetensors
+from threepo.services.engines.staging import mapped_safetensors, stage_version
+from threepo.services.engines.vllm_engine import VLLMEngine
+from threepo.services.engines.vllm_worker import ThreepoWorkerExtension
 from threepo.services.messages import NoiseSpec
 
 
