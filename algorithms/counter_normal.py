@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 LEVELS = 1 << 16
@@ -28,18 +29,27 @@ _M1, _M2 = 0x7FEB352D, 0x846CA68B - (1 << 32)  # lowbias32's multipliers as int3
 CPU_CHUNK, DEVICE_CHUNK = 1 << 18, 1 << 24  # elements per pass: cache-sized on a CPU, few launches on a GPU
 
 
-def _int32(v: int) -> int:
-    v &= 0xFFFFFFFF
-    return v - (1 << 32) if v >= 1 << 31 else v
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment γ
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's output function of uint64 `x` (its state already advanced), elementwise, wrapping:
+    x ^= x >> 30; x *= 0xbf58476d1ce4e5b9; x ^= x >> 27; x *= 0x94d049bb133111eb; x ^= x >> 31."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def as_int32(v: int) -> int:
+    """A Python integer wrapped to the int32 it is mod 2^32."""
+    return (v + (1 << 31)) % (1 << 32) - (1 << 31)
 
 
 def stream(key: int) -> tuple[int, int]:
-    """(a, b) of `key` as unsigned 32-bit integers: the high half of splitmix64(key) made odd, the low half."""
-    mask = (1 << 64) - 1
-    v = (key + 0x9E3779B97F4A7C15) & mask
-    v = ((v ^ (v >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    v = ((v ^ (v >> 27)) * 0x94D049BB133111EB) & mask
-    v ^= v >> 31
+    """(a, b) of `key` as unsigned 32-bit integers: the high half of splitmix64(key + γ) made odd, the low half."""
+    with np.errstate(over="ignore"):
+        v = int(splitmix64(np.array([key], dtype=np.uint64) + GOLDEN)[0])
     return (v >> 32) | 1, v & 0xFFFFFFFF
 
 
@@ -65,7 +75,7 @@ def _mix32_(x: torch.Tensor, tmp: torch.Tensor) -> None:
 def _from_counters_(x: torch.Tensor, key: int, out: torch.Tensor, tmp: torch.Tensor) -> None:
     """out ← z of the int32 counters `x` (x overwritten; `tmp`: int32 scratch of x's shape)."""
     a, b = stream(key)
-    x.mul_(_int32(a)).add_(_int32(b))
+    x.mul_(as_int32(a)).add_(as_int32(b))
     _mix32_(x, tmp)
     x.bitwise_right_shift_(16).bitwise_and_(LEVELS - 1)
     torch.index_select(levels(x.device), 0, x, out=out)

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
-from threepo.algorithms.counter_normal import levels, standard_normal, standard_normal_at
+from threepo.algorithms.counter_normal import as_int32, levels, standard_normal, standard_normal_at
 
 # weights_checksum of the levels of z and of the first 2^17 elements of the draw for key 0x5EED:
 # what every device must reproduce before it serves or learns from noise (`check_noise_device`)
@@ -130,15 +130,25 @@ def load_perturbed(params: Iterable[tuple[str, torch.Tensor]], means: Mapping[st
             p.copy_(perturbed(means[name], sigmas[name], seed, name, scale))
 
 
+def iter_perturbed(means: Mapping[str, torch.Tensor], sigmas: Mapping[str, torch.Tensor], seed: int | None,
+                   scale: float = 1.0, device: torch.device | str | None = None
+                   ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, m, θ̂) for every named tensor, one at a time (none held between items), both on `device`
+    (default: each m's own): θ̂ = m + (σ ⊙ z(seed, name)) · c, c = `scale`; a fp32 copy of m where
+    `seed` is None or `sigmas` lacks the name (buffers, frozen parameters)."""
+    for name, m in means.items():
+        m = m.detach().to(m.device if device is None else device)
+        if seed is not None and name in sigmas:
+            yield name, m, perturbed(m, sigmas[name].to(m.device), seed, name, scale)
+        else:
+            yield name, m, m.float().clone()
+
+
 def perturbed_state(
     means: Mapping[str, torch.Tensor], sigmas: Mapping[str, torch.Tensor], seed: int | None, scale: float = 1.0
 ) -> dict[str, torch.Tensor]:
-    """θ̂ for every named tensor: {name: m + c · σ ⊙ z(seed, name)}, c = `scale`. Tensors absent from
-    `sigmas` (buffers, frozen parameters) are copied unperturbed."""
-    return {
-        name: perturbed(m, sigmas[name], seed, name, scale) if name in sigmas else m.detach().float().clone()
-        for name, m in means.items()
-    }
+    """θ̂ for every named tensor: {name: m + c · σ ⊙ z(seed, name)} (`iter_perturbed`, held whole)."""
+    return {name: theta for name, _, theta in iter_perturbed(means, sigmas, seed, scale)}
 
 
 def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -198,8 +208,7 @@ def value_fingerprint(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
         spread.bitwise_xor_(spread >> 15)
         total += int(bits.sum(dtype=torch.int32))
         mixed += int(spread.sum(dtype=torch.int32))
-    wrap = lambda v: (v + (1 << 31)) % (1 << 32) - (1 << 31)  # noqa: E731 (int32 wrap of Python ints)
-    return wrap(total), wrap(mixed)
+    return as_int32(total), as_int32(mixed)
 
 
 def combined_fingerprint(parts: Iterable[tuple[int, int]]) -> tuple[int, int]:
@@ -207,8 +216,7 @@ def combined_fingerprint(parts: Iterable[tuple[int, int]]) -> tuple[int, int]:
     total, mixed = 0, 0
     for t, m in parts:
         total, mixed = total + t, mixed + m
-    wrap = lambda v: (v + (1 << 31)) % (1 << 32) - (1 << 31)  # noqa: E731
-    return wrap(total), wrap(mixed)
+    return as_int32(total), as_int32(mixed)
 
 
 def served_noise_ratio(mean: torch.Tensor, theta: torch.Tensor, dtype: torch.dtype) -> tuple[float, float]:

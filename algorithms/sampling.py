@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from threepo.algorithms.counter_normal import GOLDEN, splitmix64
+
 
 def sampling_logprobs(logits: torch.Tensor, *, temperature: float, top_k: int = 0,
                       top_p: float = 1.0) -> torch.Tensor:
@@ -40,17 +42,13 @@ def sampling_logprobs(logits: torch.Tensor, *, temperature: float, top_k: int = 
     return torch.log_softmax(z, dim=-1)
 
 
-_GOLDEN, _M1, _M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
 def row_uniforms(seeds: np.ndarray, step: int) -> torch.Tensor:
     """u_b = splitmix64(seed_b + (step + 1)·γ) / 2^64 ∈ [0, 1), one per row (uint64 arithmetic wraps,
     which is the point). Shapes: seeds [B] (any integer dtype; reduced mod 2^64) -> [B] fp64."""
     with np.errstate(over="ignore"):
-        x = np.asarray(seeds).astype(np.uint64) + np.uint64(step + 1) * _GOLDEN
-        x = (x ^ (x >> np.uint64(30))) * _M1
-        x = (x ^ (x >> np.uint64(27))) * _M2
-        x = x ^ (x >> np.uint64(31))
+        x = splitmix64(np.asarray(seeds).astype(np.uint64) + np.uint64(step + 1) * GOLDEN)
     return torch.from_numpy((x >> np.uint64(11)).astype(np.float64) * 2.0 ** -53)
 
 

@@ -85,13 +85,10 @@ def _serve(model: torch.nn.Module, tensors: dict) -> None:
     scale = float(tensors[_CONTROL + "scale"][0])
     if seed is not None and state["sigma"] is None:
         raise RuntimeError(f"threepo: version {state['version']} has no σ, so seed {seed} cannot be served")
-    first = next(model.parameters())
-    sigma, fed = state["sigma"] or {}, []
+    first, fed = next(model.parameters()), []
 
     def served():
-        for name, m in state["mean"].items():
-            m = m.to(first.device)
-            theta = param_noise.perturbed(m, sigma[name].to(first.device), seed, name, scale) if seed is not None else m
+        for name, _, theta in param_noise.iter_perturbed(state["mean"], state["sigma"] or {}, seed, scale, first.device):
             cast = theta.to(first.dtype)
             fed.append(param_noise.value_fingerprint([cast]))
             yield name, cast

@@ -66,14 +66,12 @@ class ThreepoWorkerExtension:
         """Load θ̂ = m + c · σ ⊙ z(seed), c = `scale` (seed None: the mean) through vLLM's reload path,
         built and streamed tensor by tensor; report whether the model holds exactly what was fed, and
         the served / intended noise energies."""
-        dtype, device = self.model_config.dtype, self.device
-        sigma = self._threepo_sigma or {}
+        dtype = self.model_config.dtype
         fed, energy = [], [0.0, 0.0]
 
         def weights():
-            for name, m in self._threepo_mean.items():
-                m = m.to(device)
-                theta = param_noise.perturbed(m, sigma[name].to(device), seed, name, scale) if seed is not None else m
+            for name, m, theta in param_noise.iter_perturbed(self._threepo_mean, self._threepo_sigma or {}, seed,
+                                                             scale, self.device):
                 cast = theta.to(dtype)
                 fed.append(param_noise.value_fingerprint([cast]))
                 if seed is not None:
