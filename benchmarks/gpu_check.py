@@ -79,16 +79,29 @@ def _peak_gib(device: str) -> float | None:
     return round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None
 
 
+def _engine_at_version(path: str, device: str):
+    """The hf engine in bf16 on `device`, holding version 1: its own weights as m, σ = 1% of |m| + 1e-4."""
+    import torch
+
+    from threepo.algorithms import param_noise
+    from threepo.services.engines.base import SamplerConfig
+    from threepo.services.engines.hf import HFEngine
+
+    engine = HFEngine(path, SamplerConfig(device=device, dtype="bfloat16", batch_size=64, seed=0))
+    mean = {n: p.detach().float().cpu().numpy() for n, p in engine._params.items()}
+    sigma = {n: (abs(a) * 0.01 + 1e-4).astype("float32") for n, a in mean.items()}
+    engine.load_version(1, mean, sigma, param_noise.weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items()))
+    return engine
+
+
 def part_noise(path: str, device: str) -> dict:
     import torch
 
     from threepo.algorithms import counter_normal, param_noise
-    from threepo.services.engines.base import SamplerConfig
-    from threepo.services.engines.hf import HFEngine
     from threepo.services.messages import NoiseSpec
 
-    engine = HFEngine(path, SamplerConfig(device=device, dtype="bfloat16", batch_size=64, seed=0))
-    params = {n: p for n, p in engine._params.items()}
+    engine = _engine_at_version(path, device)
+    params = engine._params
     numel = sum(p.numel() for p in params.values())
     out = torch.empty(max(p.numel() for p in params.values()), device=device)
     _sync(device)
@@ -97,9 +110,6 @@ def part_noise(path: str, device: str) -> dict:
         counter_normal.standard_normal(param_noise.tensor_seed(7, name), p.numel(), out=out[:p.numel()])
     _sync(device)
     draw = time.perf_counter() - start
-    mean = {n: p.detach().float().cpu().numpy() for n, p in params.items()}
-    sigma = {n: (abs(a) * 0.01 + 1e-4).astype("float32") for n, a in mean.items()}
-    engine.load_version(1, mean, sigma, param_noise.weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items()))
     times = []
     for seed in (11, 12):
         _sync(device)
@@ -112,17 +122,10 @@ def part_noise(path: str, device: str) -> dict:
 
 
 def part_engine(path: str, device: str, tokens: int) -> dict:
-    import torch
-
-    from threepo.algorithms import param_noise
-    from threepo.services.engines.base import EngineRequest, SamplerConfig
-    from threepo.services.engines.hf import HFEngine
+    from threepo.services.engines.base import EngineRequest
     from threepo.services.messages import NoiseSpec, SamplingParams
 
-    engine = HFEngine(path, SamplerConfig(device=device, dtype="bfloat16", batch_size=64, seed=0))
-    mean = {n: p.detach().float().cpu().numpy() for n, p in engine._params.items()}
-    sigma = {n: (abs(a) * 0.01 + 1e-4).astype("float32") for n, a in mean.items()}
-    engine.load_version(1, mean, sigma, param_noise.weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items()))
+    engine = _engine_at_version(path, device)
     # no stop token: every row decodes `tokens` tokens, so tokens/s compares equal work
     params = SamplingParams(max_new_tokens=tokens, temperature=1.0, stop_token_ids=(10**6,))
     prompt = tuple(engine.tokenizer("Q: 12+34= A:", add_special_tokens=False)["input_ids"])
