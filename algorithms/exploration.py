@@ -30,7 +30,7 @@ Not here: the noise itself (param_noise.py), advantages (advantages.py), schedul
 engines (the driver). Action-space baselines (temperature, entropy bonus, clip-higher, KL-Cov) are
 loss settings, not plans: see losses.py.
 Departures: B3PO/M3PO gradient at a fresh sample instead of the rollout's own (above); the table's
-names (kind, gradient_at) are ours.
+kind names are ours. A plan carries no gradient point: the learner draws one per update.
 """
 
 from __future__ import annotations
@@ -41,10 +41,6 @@ from dataclasses import dataclass
 from threepo.algorithms.param_noise import tensor_seed
 
 KINDS = ("grpo", "b3po", "m3po", "c3po")
-GRADIENT_AT = ("mean", "fresh_sample")
-# where each kind takes its gradient without / with a posterior to sample from (module table)
-_GRADIENT_OF_KIND = {"grpo": "mean", "b3po": "fresh_sample", "m3po": "fresh_sample",
-                     "c3po": "fresh_sample"}
 
 
 @dataclass(frozen=True)
@@ -60,13 +56,9 @@ class Slot:
 
 @dataclass(frozen=True)
 class ExplorationPlan:
-    """Slots, grouping and gradient point of one posterior version (§2.2; table in module doc).
-
-    `group_size` is the size of one advantage group; `gradient_seed` is the seed of one θ̂′ per
-    version, plan_seed(base_seed, version, "gradient"), when gradient_at="fresh_sample" (None for
-    grpo): the gradient sample of a loop that takes one step per version (§2.5). The learner, which
-    takes several steps per version, draws its own for every update (`update_seed`).
-    """
+    """Slots and grouping of one posterior version (§2.2; table in module doc). `group_size` is the
+    size of one advantage group. The gradient point is not the plan's: the learner, which takes
+    several steps per version, draws its own for every update (`update_seed`, `gradient_points`)."""
 
     kind: str
     version: int
@@ -74,17 +66,10 @@ class ExplorationPlan:
     rollouts_per_slot: int
     group_size: int
     groups_per_prompt: int
-    gradient_at: str
-    gradient_seed: int | None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        if self.gradient_at != _GRADIENT_OF_KIND[self.kind]:
-            raise ValueError(f"gradient_at must be {_GRADIENT_OF_KIND[self.kind]!r} for {self.kind}, "
-                             f"got {self.gradient_at!r}")
-        if (self.gradient_seed is not None) != (self.gradient_at == "fresh_sample"):
-            raise ValueError(f"gradient_seed is set exactly for fresh_sample, got {self.gradient_seed}")
         if not self.slots or tuple(s.index for s in self.slots) != tuple(range(len(self.slots))):
             raise ValueError(f"slots must be indexed 0..n-1, got {[s.index for s in self.slots]}")
         if any((s.seed is None) != (self.kind == "grpo") for s in self.slots):
@@ -126,7 +111,7 @@ class ExplorationPlan:
 
 def plan_seed(base_seed: int, version: int, label: str) -> int:
     """Stable 63-bit seed of one plan entry: blake2b(base_seed, "v<version>/<label>"); label is
-    "slot<i>" for slot i and "gradient" for the version's θ̂′. Never Python's per-process `hash`."""
+    "slot<i>" for slot i. Never Python's per-process `hash`."""
     return tensor_seed(base_seed, f"v{version}/{label}")
 
 
@@ -187,7 +172,5 @@ def make_plan(kind: str, *, version: int, base_seed: int, group_size: int, n_slo
     slots = tuple(Slot(i, s) for i, s in enumerate(seeds))
     per_slot = group_size // n_slots if equal_compute else group_size
     groups = n_slots if kind == "m3po" else 1
-    grad_seed = plan_seed(base_seed, version, "gradient") if kind != "grpo" else None
     return ExplorationPlan(kind=kind, version=version, slots=slots, rollouts_per_slot=per_slot,
-                           group_size=n_slots * per_slot // groups, groups_per_prompt=groups,
-                           gradient_at=_GRADIENT_OF_KIND[kind], gradient_seed=grad_seed)
+                           group_size=n_slots * per_slot // groups, groups_per_prompt=groups)

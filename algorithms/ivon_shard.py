@@ -16,7 +16,7 @@ function of the seed and the name only (param_noise.py), so the step decomposes 
 
 Optimizer state per rank is then Σ_{own} 12 bytes per parameter (fp32 m, h, g_m), ≈ 1/R of the
 whole when `shard_by_numel` balances the shards. The model itself (p.data, the broadcast θ̂ or m)
-stays whole on every rank. Not here: the collectives (services/learner_ranks.py), the loss.
+stays whole on every rank. Not here: the collectives (services/learner/ranks.py), the loss.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def model_path(args: argparse.Namespace) -> str:
         return save_tiny(tempfile.mkdtemp(prefix="threepo-bench-tiny-"))
     if args.model:
         return args.model
-    from threepo.deploy.cli import policy_path
+    from threepo.deploy.commands import policy_path
     from threepo.deploy.config import load_config
 
     return policy_path(load_config(None, args.overrides))
@@ -99,7 +99,7 @@ def train_run(model: str, overrides, label: str, recipe: str | None = None, held
     import ray
 
     from threepo.deploy.actors import init_ray, start_roles, stop_roles
-    from threepo.deploy.cli import evaluate_policy, make_run_dir
+    from threepo.deploy.commands import evaluate_policy, make_run_dir
     from threepo.deploy.cores import CorePlacement
     from threepo.deploy.run import run
 
@@ -157,7 +157,7 @@ class CpuMeter:
         pids = {role: ray.get([h.__ray_call__.remote(lambda _: os.getpid()) for h in hs])
                 for role, hs in handles.items()}
         self.procs = {role: [psutil.Process(p) for p in ps] for role, ps in pids.items()}
-        # a role's own helper processes count as its (the learner's drift process: services/beside.py)
+        # a role's own helper processes count as its (the learner's drift process: services/learner/beside.py)
         self.procs = {role: [q for p in procs for q in (p, *p.children(recursive=True))]
                       for role, procs in self.procs.items()}
         self.procs["driver"] = [psutil.Process()]

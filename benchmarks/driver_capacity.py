@@ -126,7 +126,7 @@ class FakeLearner:
 
     @ray.method(num_returns=2)
     def step(self, groups: list, n_batches: int, *arrays):
-        from threepo.services.learner import StepResult
+        from threepo.services.learner.core import StepResult
 
         self.steps += 1
         rows = sum(n for g in groups for _, _, n in g.parts)
@@ -177,7 +177,7 @@ def one_run(cfg, args, profile: bool = False) -> dict:
     import ray
 
     from threepo.deploy.actors import stop_roles
-    from threepo.deploy.cli import make_run_dir
+    from threepo.deploy.commands import make_run_dir
     from threepo.deploy.run import run
 
     roles = start_fakes(cfg, args.tokens, args.publish_every)

@@ -76,7 +76,7 @@ def expert_diversity(path: str, cfg) -> float:
 
     from threepo.services.datasets import eval_items
     from threepo.services.modeling import load_model, load_tokenizer
-    from threepo.services.vp2o_hooks import VP2OConfig, VP2OHooks
+    from threepo.services.learner.vp2o import VP2OConfig, VP2OHooks
 
     model, tokenizer = load_model(path).eval(), load_tokenizer(path)
     hooks = VP2OHooks(model, VP2OConfig())
@@ -92,7 +92,7 @@ def expert_diversity(path: str, cfg) -> float:
 
 def one_run(task: str, arm: str, seed: int, model: str, recipe: str | None, overrides: list[str], args) -> dict:
     """Train one arm, evaluate its final checkpoint on the task's held-out tier and every tier."""
-    from threepo.deploy.cli import evaluate_policy
+    from threepo.deploy.commands import evaluate_policy
 
     from threepo.services.tasks import max_new_tokens_for
 
@@ -155,7 +155,7 @@ def model_for(model_recipe: str | None, args, cache: dict) -> str:
         if args.model == "tiny" or (args.quick and model_recipe == "vp2o_moe"):
             cache[model_recipe] = save_tiny_moe() if model_recipe == "vp2o_moe" else _common.save_tiny(_tmp())
         else:
-            from threepo.deploy.cli import policy_path
+            from threepo.deploy.commands import policy_path
             from threepo.deploy.config import load_config
 
             cache[model_recipe] = policy_path(load_config(model_recipe))

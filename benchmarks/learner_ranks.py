@@ -82,9 +82,10 @@ def main() -> None:
     import ray
 
     from threepo.algorithms.ivon_shard import shard_by_numel, shard_loads
-    from threepo.deploy.actors import ACTOR_ENV, LearnerActor, init_ray
+    from threepo.deploy.actors import ACTOR_ENV, init_ray
+    from threepo.deploy.learner_actor import LearnerActor
     from threepo.deploy.learner_group import start_learner_group
-    from threepo.services.learner import Learner
+    from threepo.services.learner.core import Learner
     from threepo.services.modeling import load_model, trainable_named_parameters
 
     p = _common.parser(__doc__)
@@ -117,7 +118,7 @@ def main() -> None:
         group.kill()
     local = Learner(*learner_args, **alone)
     local.step(*inputs)  # AdamW's moments exist after a step
-    figures[1]["state_bytes"] = [local.optimizer_state_bytes()]
+    figures[1]["state_bytes"] = [local.optimizer.state_bytes()]
     numels = [(n, q.numel()) for n, q in trainable_named_parameters(load_model(model))]
     per_param = figures[1]["state_bytes"][0] / sum(n for _, n in numels)
     rows = []

@@ -214,7 +214,7 @@ def memory_part(model: str, data: str, args) -> dict:
 
 def learn_part(model: str, data: str, args) -> dict:
     """GRPO on the word problems: held-out pass@1 before and after, greedy and at T = 1."""
-    from threepo.deploy.cli import evaluate_policy
+    from threepo.deploy.commands import evaluate_policy
 
     overrides = run_overrides(model, data, args) + [
         f"runtime.steps={args.steps}", "eval.around_training=false", f"optim.lr={args.lr}",

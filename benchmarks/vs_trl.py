@@ -35,7 +35,7 @@ Reported per side: training wall, from the start of training to the final model 
 checkpoint, up to the run's summary; the plotted report written after it is not counted, and the
 start-up is given beside it), completions/s = rollouts / that wall,
 and the held-out pass@1 of the final checkpoint (TRL's saved with `save_model` as an HF checkpoint),
-each evaluated the same way as `threepo eval model.path=<final dir>` (`deploy.cli.evaluate_policy`:
+each evaluated the same way as `threepo eval model.path=<final dir>` (`deploy.commands.evaluate_policy`:
 the configured held-out items and samples), plus the starting checkpoint's. Ratios are threepo / TRL
 (and C3PO / GRPO: wall at equal rollouts, learner step and machine CPU per step). For the threepo
 sides, the CPU each role's processes used per learner step (`_common.CpuMeter`) and the machine's
@@ -175,7 +175,7 @@ def run_trl(model: str, cfg, steps: int, out_dir: str) -> dict:
 
 def one_side(side: str, model: str, base, overrides, steps: int, out_dir: str) -> dict:
     """One training of `side` and the held-out report of its final checkpoint."""
-    from threepo.deploy.cli import evaluate_policy
+    from threepo.deploy.commands import evaluate_policy
 
     if side == "trl":
         import ray
@@ -246,7 +246,7 @@ def main() -> None:
     model = _common.model_path(args)
     work = args.keep or tempfile.mkdtemp(prefix="threepo-vs-trl-")
     os.makedirs(work, exist_ok=True)
-    from threepo.deploy.cli import evaluate_policy
+    from threepo.deploy.commands import evaluate_policy
 
     rounds: list[dict] = []
     try:

@@ -24,8 +24,9 @@ import ray
 
 from threepo.deploy.config import RunConfig
 from threepo.deploy.cores import CorePlacement
+from threepo.deploy.learner_actor import LearnerActor
+from threepo.deploy.metrics import peak_rss
 from threepo.services.engines.base import SamplerConfig
-from threepo.services.learner import Learner
 from threepo.services.posterior import PosteriorConfig, PosteriorServer
 from threepo.services.prompting import PromptConfig
 from threepo.services.verifier_pool import VerifierConfig, VerifierPool, auth_token
@@ -65,14 +66,6 @@ class SamplerActor:
 
     def peak_memory(self) -> int:
         return peak_rss()
-
-
-def peak_rss() -> int:
-    """Peak resident memory of this process (bytes): what a role took at its most (its shared pages
-    of Ray's object store included where it read them; a learner's drift process is its own)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def role_memory(roles: Roles) -> dict[str, float]:
@@ -144,7 +137,7 @@ class PosteriorActor:
         from threepo.services.messages import PublishedVersion
 
         mean, sigma, checksum = self.server.weights(version)
-        return PublishedVersion(self.server.learner_step(version), "", mean, sigma, checksum)
+        return PublishedVersion(self.server.version_plan(version).learner_step, "", mean, sigma, checksum)
 
     def acquire(self, version: int, n: int = 1) -> None:
         self.server.acquire(version, n)
@@ -207,77 +200,6 @@ class VerifierActor:
         return peak_rss()
 
 
-class LearnerActor:
-    """The learner service, restored from `checkpoint` when given, plus its metrics, the rollout log
-    of consumed groups, its own part of checkpoints and the HF export of the mean."""
-
-    def __init__(self, model_path: str, *args, checkpoint: str | None = None, rollout_log: str = "",
-                 **kwargs) -> None:
-        from threepo.deploy.metrics import RayMetrics
-        from threepo.services.learner_checkpoint import load_learner
-        from threepo.services.metrics import register_catalogue
-
-        self.model_path = model_path
-        self.learner = Learner(model_path, *args, **kwargs)
-        self._metrics = register_catalogue(RayMetrics())
-        self.log, log_bytes = None, 0
-        if checkpoint:
-            load_learner(self.learner, checkpoint)
-            log_bytes = _read_json(os.path.join(checkpoint, "rollouts.json")).get("bytes", 0)
-        if rollout_log:
-            from threepo.services.codec import LogWriter, RolloutLog
-
-            if os.path.exists(rollout_log):  # a resumed run: drop what was logged after the checkpoint
-                os.truncate(rollout_log, log_bytes)
-            self.log = LogWriter(RolloutLog(rollout_log))
-
-    def process_id(self) -> int:
-        return os.getpid()
-
-    def peak_memory(self) -> int:
-        return peak_rss()
-
-    @ray.method(num_returns=2)
-    def step(self, groups: list, n_batches: int, *arrays):
-        """One learner step; `arrays` are the step's CompletionBatches then their ScoreBatches,
-        resolved by Ray from the samplers' and verifiers' objects. Returns the StepResult and, when
-        the step publishes, the new version's PublishedVersion (else None): the driver passes that
-        second reference on to the posterior server, so a publish is no call of its own on the
-        learner and holds exactly the state after this step, whatever is queued behind it."""
-        batches, scores = arrays[:n_batches], arrays[n_batches:]
-        result = self.learner.step(groups, batches, scores)
-        if self.learner.ranks.first:  # one of R ranks: rank 0 speaks for the group
-            record_learner_metrics(self._metrics, result, groups, self.learner.algo.exploration)
-        if self.log:
-            self.log.put(groups, batches, scores, result.step)
-        return result, self.learner.published(result.publish_reason) if result.publish else None
-
-    def published(self, reason: str = ""):
-        return self.learner.published(reason)
-
-    def save_checkpoint(self, directory: str) -> str:
-        import json
-
-        from threepo.services.learner_checkpoint import save_learner
-
-        save_learner(self.learner, directory)
-        if self.learner.ranks.first:
-            size = self.log.size() if self.log else 0
-            with open(os.path.join(directory, "rollouts.json"), "w") as f:
-                json.dump({"bytes": size}, f)
-        return "learner"
-
-    def save_hf(self, directory: str) -> str:
-        """The current mean (IVON keeps p.data at m outside sampled_params) as an HF checkpoint."""
-        from threepo.services.modeling import load_tokenizer
-
-        self.learner.model.save_pretrained(directory)
-        load_tokenizer(self.model_path).save_pretrained(directory)
-        if self.log:
-            self.log.close()
-        return directory
-
-
 class EvaluatorActor:
     """Held-out pass@1 of a published mean, off the learner's critical path: the evaluation service
     (services/evaluation.py) serving the mean it is given, one sample per item at the sampling
@@ -299,28 +221,6 @@ class EvaluatorActor:
 
     def peak_memory(self) -> int:
         return peak_rss()
-
-
-def record_learner_metrics(handles: dict, result, groups: list, algorithm: str) -> None:
-    """The learner's step metrics into the Prometheus catalogue (labels stay bounded: algorithm)."""
-    m, label = result.metrics, {"algorithm": algorithm}
-    handles["threepo_reward_mean"].set(m["reward_mean"], **label)
-    handles["threepo_kl"].set(m["kl_k3"], **label)
-    handles["threepo_ess_ratio"].set(m["ess_frac"], **label)
-    handles["threepo_zero_advantage_groups_ratio"].set(m["zero_adv_frac"], **label)
-    handles["threepo_malformed_rollouts_ratio"].set(m["malformed_rate"], **label)
-    handles["threepo_rescued_groups_total"].inc(m["rescued_groups"], **label)
-    handles["threepo_learner_step_seconds"].observe(m["step_time_s"], **label)
-    handles["threepo_learner_step"].set(result.step)
-    for g in groups:
-        handles["threepo_staleness_steps"].observe(result.step - 1 - g.published_step, **label)
-
-
-def _read_json(path: str) -> dict:
-    import json
-
-    with open(path) as f:
-        return json.load(f)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The `threepo` command line: `bootstrap`, `eval`, `train`.
+"""The `threepo` command line: `bootstrap`, `eval`, `train` (the entry point; nothing imports it:
+what each subcommand does is in deploy/commands.py).
 
 Every subcommand takes `--config RECIPE` (a TOML file or a shipped recipe name) and overrides
 `section.field=value`; `threepo <cmd> --show-config` prints the resolved config and exits. Heavy
@@ -13,11 +14,8 @@ instead. A command that fails leaves no run directory holding nothing but its co
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import shutil
 import sys
-import time
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    from threepo.deploy.commands import check_inputs, cmd_bootstrap, cmd_eval, cmd_train, policy_path, run_directory
     from threepo.deploy.config import load_config, to_toml
 
     resume_dir = None
@@ -76,142 +75,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     check_inputs(cfg)
     if args.command == "train":
-        from threepo.deploy.run import main_train  # Ray and the roles: only once the input is known good
-
-        return main_train(args, cfg, resume_dir)
+        return cmd_train(cfg, resume_dir)
     path = policy_path(cfg) if args.command == "eval" else None
     with run_directory(cfg, args.command) as run_dir:
         return cmd_eval(cfg, run_dir, path) if path else cmd_bootstrap(cfg, run_dir)
-
-
-def check_inputs(cfg) -> None:
-    """Check every path the config names (model, datasets), that its prompts can be built, and the
-    verifier settings that depend on this machine before anything starts; raises `UserInputError`
-    naming the key, file and line."""
-    from threepo.services.datasets import run_items
-    from threepo.services.errors import UserInputError
-    from threepo.services.modeling import resolve_model
-    from threepo.services.prompting import PromptEncoder
-    from threepo.services.verifier_pool import auth_token
-    from threepo.services.verifiers.base import available_verifiers
-
-    auth_token(cfg.verifier.auth_env)
-    unknown = sorted({target for _, target in cfg.verifier.route} - set(available_verifiers()))
-    if unknown:
-        raise UserInputError(f"verifier.route: unknown verifier {unknown[0]!r}; expected one of {available_verifiers()}")
-    if cfg.model.path:
-        PromptEncoder.from_path(resolve_model(cfg.model.path), cfg.prompt).check()
-    rows = run_items(cfg.data, cfg.task, "train", 1 if not cfg.data.path else 10 ** 9)
-    if cfg.data.path:
-        rows += run_items(cfg.data, cfg.task, "heldout", 10 ** 9)
-    local = {dict(cfg.verifier.route).get(r.verifier, r.verifier) for r in rows} & {"code_output", "code_tests"}
-    if local and shutil.which("bwrap") is None:
-        raise UserInputError(f"rows verified by {sorted(local)} run programs in the local sandbox, which needs "
-                             "bubblewrap: apt-get install -y bubblewrap, or score them remotely with "
-                             "verifier.route=[[\"code_output\", \"remote_sandbox\"]] and verifier.endpoints")
-
-
-@contextlib.contextmanager
-def run_directory(cfg, command: str):
-    """`make_run_dir`, removed again if the command fails before writing anything but its config."""
-    run_dir = make_run_dir(cfg, command)
-    try:
-        yield run_dir
-    except BaseException:
-        written = [os.path.join(root, f) for root, _, files in os.walk(run_dir) for f in files]
-        if all(os.path.basename(f) == "config.toml" or os.path.getsize(f) == 0 for f in written):
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
-
-
-def make_run_dir(cfg, command: str) -> str:
-    """A fresh run directory holding the resolved config."""
-    from threepo.deploy.config import to_toml
-    from threepo.services.errors import UserInputError
-
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = os.path.join(cfg.runs_dir, f"{cfg.name}-{command}-{stamp}")
-    suffix = 0
-    while os.path.exists(run_dir + (f"-{suffix}" if suffix else "")):
-        suffix += 1
-    run_dir += f"-{suffix}" if suffix else ""
-    try:
-        os.makedirs(run_dir)
-    except OSError as err:
-        raise UserInputError(f"runs_dir={cfg.runs_dir!r}: cannot make the run directory {run_dir} "
-                             f"({err.strerror}); expected a writable directory") from None
-    with open(os.path.join(run_dir, "config.toml"), "w") as f:
-        f.write(to_toml(cfg))
-    return run_dir
-
-
-def policy_path(cfg) -> str:
-    """The checkpoint to serve: `model.path` (a hub id resolved to its local snapshot), or the
-    (cached) bootstrapped embedded default."""
-    if cfg.model.path:
-        from threepo.services.modeling import resolve_model
-
-        return resolve_model(cfg.model.path)
-    from threepo.services.bootstrap import BootstrapFailed, ensure_bootstrapped
-
-    result = ensure_bootstrapped(cfg.model, cfg.task, cfg.bootstrap)
-    if not result.reached_target:
-        raise BootstrapFailed(result.failure(cfg.bootstrap))
-    return result.path
-
-
-def cmd_bootstrap(cfg, run_dir: str) -> int:
-    import json
-
-    from threepo.services.bootstrap import ensure_bootstrapped
-
-    result = ensure_bootstrapped(cfg.model, cfg.task, cfg.bootstrap)
-    with open(os.path.join(run_dir, "bootstrap.json"), "w") as f:
-        json.dump(result.__dict__, f, indent=2)
-    state = "reused cached" if result.cached else f"trained {result.steps} steps in {result.seconds:.0f}s,"
-    print(f"bootstrap: {state} checkpoint {result.path}")
-    print(f"bootstrap: held-out pass@1 at T=1 during warm start: {result.heldout_pass1:.3f}")
-    if not result.reached_target:
-        print(f"threepo bootstrap: {result.failure(cfg.bootstrap)} (checkpoint not cached)", file=sys.stderr)
-        return 1
-    return 0
-
-
-def cmd_eval(cfg, run_dir: str, path: str) -> int:
-    import json
-
-    from threepo.services.datasets import split_note
-
-    if cfg.data.path:
-        print(f"eval: {split_note(cfg.data)}")
-    report = evaluate_policy(cfg, path, label="eval")
-    print(f"eval: {report.summary()}")
-    with open(os.path.join(run_dir, "eval.json"), "w") as f:
-        json.dump(report.__dict__, f, indent=2)
-    return 0
-
-
-def evaluate_policy(cfg, path: str, *, label: str):
-    """Evaluate the checkpoint at `path` on the configured items, with a progress bar."""
-    from tqdm import tqdm
-
-    from threepo.services.datasets import eval_items
-    from threepo.services.engines.base import SamplerConfig
-    from threepo.services.evaluation import Evaluator
-    from threepo.services.verifier_pool import VerifierPool
-
-    items = eval_items(cfg.data, cfg.task, cfg.eval)
-    evaluator = Evaluator(path, items, VerifierPool(cfg.verifier.pool_config()), cfg.prompt,
-                          SamplerConfig(threads=cfg.bootstrap.threads, batch_size=cfg.eval.batch_size, seed=cfg.seed,
-                                        device=cfg.eval.device),
-                          dtype=cfg.model.dtype, seed=cfg.seed)
-    try:
-        with tqdm(total=len(items), desc=label, unit="item") as bar:
-            return evaluator.evaluate(samples_per_item=cfg.eval.samples_per_item, k=cfg.eval.k,
-                                      temperature=cfg.eval.temperature, max_new_tokens=cfg.sampler.max_new_tokens,
-                                      progress=bar.update)
-    finally:
-        evaluator.close()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from threepo.services.datasets import MAX_NEW_TOKENS, DataConfig
 from threepo.services.engines.base import SamplerConfig
 from threepo.services.errors import UserInputError
 from threepo.services.evaluation import EvalConfig
-from threepo.services.learner_config import AlgoConfig, LearnerConfig, OptimConfig, SyncConfig, VP2OConfig
+from threepo.services.learner.config import AlgoConfig, LearnerConfig, OptimConfig, SyncConfig, VP2OConfig
 from threepo.services.modeling import ModelConfig
 from threepo.services.prompting import PromptConfig
 from threepo.services.tasks import TaskConfig, max_new_tokens_for
@@ -158,7 +158,7 @@ class RunConfig:
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
 
     def __post_init__(self) -> None:
-        from threepo.services.learner_config import check_combination, check_learner
+        from threepo.services.learner.config import check_combination, check_learner
 
         check_combination(self.algo, self.optim, self.model.kind)
         check_learner(self.learner, self.algo, self.optim)

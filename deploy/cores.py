@@ -28,7 +28,7 @@ import math
 import os
 
 from threepo.deploy.config import RunConfig
-from threepo.services.learner_config import has_drift_process
+from threepo.services.learner.config import has_drift_process
 
 
 def split(cores: set[int], learner_cpus: float) -> tuple[set[int], set[int]] | None:

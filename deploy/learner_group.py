@@ -1,5 +1,5 @@
 """The learner as R data-parallel ranks: Ray actors in one placement group, one torch.distributed
-process group among them (services/learner_ranks.py), behind the single learner's methods.
+process group among them (services/learner/ranks.py), behind the single learner's methods.
 
 `LearnerGroup` is what the driver holds as `roles.learner` when `learner.ranks > 1` (or DeepSpeed is
 on): `step`, `published`, `save_checkpoint` and `save_hf` each take `.remote(...)` like the methods
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from threepo.deploy.actors import LearnerActor
+from threepo.deploy.learner_actor import LearnerActor
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class LearnerRankActor:
 
     def __init__(self, spec: RankSpec, address: str, model_path: str, *args, rollout_log: str = "",
                  **kwargs) -> None:
-        from threepo.services.learner_ranks import Ranks
+        from threepo.services.learner.ranks import Ranks
 
         if spec.backend == "nccl":
             import torch
@@ -70,7 +70,7 @@ class LearnerRankActor:
     def _group(self):
         """A failed collective ends this rank (so its caller sees it die); any other error leaves
         the process group first, so the peers fail now instead of waiting for the timeout."""
-        from threepo.services.learner_ranks import GroupBroken
+        from threepo.services.learner.ranks import GroupBroken
 
         try:
             yield
@@ -98,13 +98,13 @@ class LearnerRankActor:
             return out
 
     def save_hf(self, directory: str) -> str:
-        with self._group(), self.actor.learner.whole_parameters():  # ZeRO-3: gathered on every rank
+        with self._group(), self.actor.learner.optimizer.whole():  # ZeRO-3: gathered on every rank
             out = self.actor.save_hf(directory) if self.ranks.first else directory
             self.ranks.barrier()
             return out
 
     def state_bytes(self) -> int:
-        return self.actor.learner.optimizer_state_bytes()
+        return self.actor.learner.optimizer.state_bytes()
 
     def peak_memory(self) -> int:
         return self.actor.peak_memory()

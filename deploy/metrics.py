@@ -96,3 +96,11 @@ class RestartCounter:
     def take(self, role: str) -> int:
         """Restarts of `role` seen since the last `take` (what to add to the counter)."""
         return self._unreported.pop(role, 0)
+
+
+def peak_rss() -> int:
+    """Peak resident memory of this process (bytes): what a role took at its most (its shared pages
+    of Ray's object store included where it read them; a learner's drift process is its own)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -442,49 +441,3 @@ def train_items(cfg: RunConfig) -> list:
     from threepo.services.datasets import run_items
 
     return run_items(cfg.data, cfg.task, "train", 10 ** 9 if cfg.data.path else 4096)  # a file: all of its train split
-
-
-def main_train(args, cfg: RunConfig, resume_dir: str | None) -> int:
-    """`threepo train` on a checked config (deploy/cli.py): evaluate, run, evaluate again, report.
-    A fresh run directory is made only once the policy exists, and removed if the run fails before
-    writing anything; a resumed run keeps its own."""
-    import contextlib
-
-    from threepo.deploy import checkpoints
-    from threepo.deploy.cli import policy_path, run_directory
-
-    path = policy_path(cfg)
-    resume_from = checkpoints.latest(resume_dir) if resume_dir else None
-    with contextlib.nullcontext(resume_dir) if resume_dir else run_directory(cfg, "train") as run_dir:
-        try:
-            return _train_and_report(cfg, run_dir, path, resume_from)
-        except RunStopped as stopped:
-            print(f"threepo train: {stopped}", file=sys.stderr)
-            return 1
-
-
-def _train_and_report(cfg: RunConfig, run_dir: str, path: str, resume_from: str | None) -> int:
-    from threepo.deploy.cli import evaluate_policy
-
-    from threepo.services.datasets import split_note
-
-    print(f"train: run directory {run_dir}")
-    if cfg.data.path:
-        print(f"train: {split_note(cfg.data)}")
-    around = cfg.eval.around_training
-    try:
-        before = evaluate_policy(cfg, path, label="held-out before") if around else None
-    except VerifierOutage as err:
-        raise RunStopped(f"held-out evaluation before training: {err}") from None
-    summary = train(cfg, run_dir, path, resume_from=resume_from)
-    after = evaluate_policy(cfg, summary["final_checkpoint"], label="held-out after") if around else None
-    if around:
-        print(f"train: held-out before: {before.summary()}")
-        print(f"train: held-out after:  {after.summary()}")
-        with open(os.path.join(run_dir, "eval.json"), "w") as f:
-            json.dump({"before": before.__dict__, "after": after.__dict__}, f, indent=2)
-    print(f"train: rollouts admitted {summary['admitted_rollouts']}, consumed {summary['consumed_rollouts']} "
-          f"(re-issued requests {summary['reissued_requests']}); report: {', '.join(summary['report'])}")
-    print("train: peak memory (MiB) " + ", ".join(f"{role} {mb:,.0f}" for role, mb in summary["peak_memory_mb"].items())
-          + f"; {summary['peak_memory_total_mb']:,.0f} in all (shared pages counted in each process that read them)")
-    return 0

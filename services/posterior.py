@@ -5,8 +5,8 @@ The learner owns the training state and publishes (m, σ) in fp32 as a new versi
 a read-only copy, makes that version's plan (`algorithms.exploration.make_plan`) and hands every
 engine (m, σ) once per version — one transfer whatever the number of slots, since engines
 regenerate the noise from the plan's seeds. A version stays available while rollouts sampled from it
-are in flight (reference counts) or while it is the current one (`keep_versions`); others are
-dropped. Each version carries the exact checksum of its mean as the learner published it: engines
+are in flight (reference counts, which the driver's version ledger takes and drops) or while it is
+the current one; others are dropped. Each version carries the exact checksum of its mean as the learner published it: engines
 check the mean they receive against it, and the driver checks every completion's reported mean
 checksum against it — the server never rebuilds perturbed models (that work is the engines', on
 their own devices).
@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -43,15 +44,11 @@ class PosteriorConfig:
     """M3PO only when False: G rollouts per slot instead of G/M (algorithms.md §2.3)."""
     base_seed: int = 0
     """Root of every plan seed (slot and gradient seeds are hashed from it and the version)."""
-    keep_versions: int = 1
-    """Newest versions kept even when nothing references them (1: only the current one); older ones
-    live only while rollouts in flight reference them. Each version is m and σ in fp32: 8 bytes a
-    parameter (1.1 GB for a 135M model)."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"posterior.kind: expected one of {KINDS}, got {self.kind!r}")
-        for name in ("group_size", "n_slots", "keep_versions"):
+        for name in ("group_size", "n_slots"):
             if getattr(self, name) < 1:
                 raise ValueError(f"posterior.{name}: expected >= 1, got {getattr(self, name)}")
 
@@ -145,23 +142,11 @@ class PosteriorServer:
             raise LookupError("no posterior version has been published yet")
         return self._current
 
-    def plan(self, version: int) -> ExplorationPlan:
-        """Slots, seeds and grouping of `version`."""
-        return self._get(version).plan
-
-    def learner_step(self, version: int) -> int:
-        """Learner step at which `version` was published (staleness is measured from it)."""
-        return self._get(version).learner_step
-
     def weights(self, version: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None, str]:
         """(mean, σ, mean checksum) of `version`, read-only fp32 arrays: what each engine pulls once
         per version."""
         entry = self._get(version)
         return entry.mean, entry.sigma, entry.mean_checksum
-
-    def mean_checksum(self, version: int) -> str:
-        """The learner's checksum of `version`'s mean: what every completion of it must report."""
-        return self._get(version).mean_checksum
 
     def bytes_of(self, version: int) -> int:
         """Bytes of mean + σ: what one engine receives per version, whatever the number of slots."""
@@ -186,18 +171,8 @@ class PosteriorServer:
         self._refs[version] -= n
         self._evict()
 
-    def refcount(self, version: int) -> int:
-        """References `version` holds now."""
-        self._get(version)
-        return self._refs[version]
-
-    def versions(self) -> list[int]:
-        """Versions available now, oldest first."""
-        return sorted(self._versions)
-
     def _evict(self) -> None:
-        keep = set(sorted(self._versions)[-self.cfg.keep_versions:]) | {self._current}
-        for version in [v for v in self._versions if v not in keep and self._refs[v] == 0]:
+        for version in [v for v in self._versions if v != self._current and self._refs[v] == 0]:
             del self._versions[version], self._refs[version]
 
     def _get(self, version: int) -> _Version:
@@ -281,5 +256,7 @@ def _plan_state(plan: ExplorationPlan) -> dict:
 
 
 def _plan_from_state(saved: dict) -> ExplorationPlan:
+    """The saved plan (fields the plan no longer has, e.g. an older checkpoint's gradient_seed, are left out)."""
     slots = tuple(Slot(int(i), None if s is None else int(s)) for i, s in saved["slots"])
-    return ExplorationPlan(**{**saved, "slots": slots})
+    known = {f.name for f in dataclasses.fields(ExplorationPlan)}
+    return ExplorationPlan(**{k: v for k, v in saved.items() if k in known and k != "slots"}, slots=slots)

@@ -117,7 +117,7 @@ def test_debug_shows_the_traceback(runs):
 
 
 def test_a_failed_command_leaves_no_empty_run_directory(tmp_path):
-    from threepo.deploy.cli import run_directory
+    from threepo.deploy.commands import run_directory
     from threepo.deploy.config import load_config
 
     cfg = load_config(None, [f"runs_dir={tmp_path}"])

@@ -1,4 +1,6 @@
-"""Structure rules of style.md §6 and §4.8: algorithms/ is pure, services/ has no Ray, size budgets hold.
+"""Structure rules of style.md §6 and §4.8: algorithms/ is pure, services/ has no Ray, size budgets hold,
+threepo's import graph (function-level imports included) has no cycle, and only the entry point
+knows deploy/cli.py.
 
 Prints the size table; raising a budget is a deliberate change explained in its commit.
 """
@@ -13,7 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ALLOWED_ALGORITHM_IMPORTS = {"torch", "numpy", "math", "typing", "dataclasses", "__future__"}
 FORBIDDEN_EVERYWHERE_IN_ALGORITHMS = {"torch.distributed", "logging", "os", "io", "socket", "pathlib", "shutil"}
-FILE_BUDGET = {"algorithms": 300, "services": 400}
+# deploy/ is stated apart: the driver's ledger (bookkeeping.py) is one class owning the ledger state
+FILE_BUDGET = {"algorithms": 300, "services": 400, "deploy": 520}
 FUNCTION_BUDGET, RUN_BUDGET = 60, 150
 
 
@@ -88,3 +91,96 @@ def test_size_budgets(capsys):
     with capsys.disabled():
         print("\n" + "\n".join(rows))
     assert not over, "size budgets exceeded:\n" + "\n".join(over)
+
+
+def _module_files() -> dict[str, Path]:
+    """threepo's modules by dotted name ('threepo.services.learner.core': its file)."""
+    out = {}
+    for folder in ("algorithms", "services", "deploy"):
+        for path in _py_files(folder):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            out[".".join(["threepo", *(parts[:-1] if parts[-1] == "__init__" else parts)])] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module → the threepo modules it imports anywhere in its body (function-level and TYPE_CHECKING
+    imports included; `from package import module` resolves to the module; packages' empty inits are
+    not nodes of their own)."""
+    modules, graph = _module_files(), {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+        resolved = set()
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name and target.count(".") > 1:
+                resolved.add(target)
+        graph[name] = resolved
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_hidden_circle():
+    graph = {"threepo.a.x": {"threepo.a.y"}, "threepo.a.y": {"threepo.a.z"}, "threepo.a.z": {"threepo.a.x"},
+             "threepo.a.w": {"threepo.a.x"}}
+    assert cycles(graph) == [["threepo.a.x", "threepo.a.y", "threepo.a.z"]]
+    assert cycles({"threepo.a.x": {"threepo.a.y"}, "threepo.a.y": set()}) == []
+
+
+def test_the_import_graph_sees_function_level_imports():
+    graph = import_graph()
+    assert "threepo.deploy.commands" in graph["threepo.deploy.cli"]  # imported inside _dispatch
+    assert "threepo.services.learner.optimizers" in graph["threepo.services.learner.core"]
+
+
+def test_no_module_imports_in_a_circle():
+    found = cycles(import_graph())
+    assert not found, "import cycles (each line one circle):\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_only_the_entry_point_imports_the_cli():
+    importers = sorted(m for m, targets in import_graph().items() if "threepo.deploy.cli" in targets)
+    bench = [f"{p.relative_to(ROOT)}: import {n}" for p in sorted((ROOT / "benchmarks").glob("*.py"))
+             for n in _imports(p) if n == "threepo.deploy.cli" or n.startswith("threepo.deploy.cli.")]
+    assert not importers and not bench, f"deploy/cli.py is the entry point only: {importers + bench}"

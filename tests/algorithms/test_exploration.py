@@ -16,14 +16,13 @@ def test_grpo_one_clean_slot():
     plan = make_plan("grpo", version=0, base_seed=1, group_size=8, n_slots=1)
     assert plan.slots == (Slot(0, None),)
     assert (plan.rollouts_per_slot, plan.group_size, plan.groups_per_prompt) == (8, 8, 1)
-    assert plan.gradient_at == "mean" and plan.gradient_seed is None and plan.group_of(0) == 0
+    assert plan.group_of(0) == 0
 
 
-def test_b3po_one_seeded_slot_gradient_at_a_fresh_sample():
+def test_b3po_one_seeded_slot():
     plan = make_plan("b3po", version=2, base_seed=1, group_size=16, n_slots=1)
     assert len(plan.slots) == 1 and plan.slots[0].seed == plan_seed(1, 2, "slot0")
     assert (plan.rollouts_per_slot, plan.group_size, plan.groups_per_prompt) == (16, 16, 1)
-    assert plan.gradient_at == "fresh_sample" and plan.gradient_seed not in {None, plan.slots[0].seed}
 
 
 def test_m3po_equal_compute_and_unconstrained():
@@ -39,14 +38,14 @@ def test_m3po_equal_compute_and_unconstrained():
     assert free.slots == plan.slots  # same seeds: only the rollout count differs
 
 
-def test_c3po_slots_share_one_group_and_gradient_at_fresh_seed():
-    # G = 16, N = 4 → 4 per slot, one group of 16 over all slots, θ̂′ from a fifth seed
+def test_c3po_slots_share_one_group_with_distinct_seeds():
+    # G = 16, N = 4 → 4 per slot, one group of 16 over all slots
     plan = make_plan("c3po", version=5, base_seed=9, group_size=16, n_slots=4)
     assert (plan.rollouts_per_slot, plan.group_size, plan.groups_per_prompt) == (4, 16, 1)
     assert [plan.group_of(i) for i in range(4)] == [0, 0, 0, 0]
-    assert plan.gradient_at == "fresh_sample" and plan.gradient_seed == plan_seed(9, 5, "gradient")
-    seeds = [s.seed for s in plan.slots] + [plan.gradient_seed]
-    assert len(set(seeds)) == 5 and all(0 <= s < 2**63 for s in seeds)
+    seeds = [s.seed for s in plan.slots]
+    assert seeds == [plan_seed(9, 5, f"slot{i}") for i in range(4)]
+    assert len(set(seeds)) == 4 and all(0 <= s < 2**63 for s in seeds)
 
 
 def test_seeds_depend_on_base_seed_version_and_slot_only():
@@ -60,12 +59,12 @@ def test_seeds_are_stable_across_processes():
     # Python's hash() is salted per process; the plan's seeds must not be
     code = ("from threepo.algorithms.exploration import make_plan; "
             "p = make_plan('c3po', version=3, base_seed=7, group_size=8, n_slots=2); "
-            "print([s.seed for s in p.slots], p.gradient_seed)")
+            "print([s.seed for s in p.slots])")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": str(h)}).stdout for h in (1, 2)}
     assert len(outs) == 1
     plan = make_plan("c3po", version=3, base_seed=7, group_size=8, n_slots=2)
-    assert outs.pop().strip() == f"{[s.seed for s in plan.slots]} {plan.gradient_seed}"
+    assert outs.pop().strip() == f"{[s.seed for s in plan.slots]}"
 
 
 @pytest.mark.parametrize("kwargs, word", [
@@ -84,8 +83,8 @@ def test_bad_combinations_raise_naming_the_argument(kwargs, word):
 
 def test_plan_validates_when_built_by_hand():
     good = make_plan("c3po", version=0, base_seed=0, group_size=8, n_slots=2)
-    with pytest.raises(ValueError, match="gradient_at"):
-        dataclasses.replace(good, gradient_at="mean")
+    with pytest.raises(ValueError, match="kind"):
+        dataclasses.replace(good, kind="ppo")
     with pytest.raises(ValueError, match="group_size"):
         dataclasses.replace(good, group_size=6)
     with pytest.raises(ValueError, match="slots"):
@@ -99,12 +98,12 @@ def test_plan_validates_when_built_by_hand():
     assert isinstance(good, ExplorationPlan)
 
 
-def test_a_scaled_plan_keeps_seeds_grouping_and_gradient_point_and_scales_every_slot():
+def test_a_scaled_plan_keeps_seeds_and_grouping_and_scales_every_slot():
     plan = make_plan("c3po", version=3, base_seed=1, group_size=8, n_slots=4)
     assert {s.scale for s in plan.slots} == {1.0}  # the posterior server's plans are unscaled
     hot = plan.scaled(2.0)
     assert [s.seed for s in hot.slots] == [s.seed for s in plan.slots] and {s.scale for s in hot.slots} == {2.0}
-    assert (hot.group_size, hot.rollouts_per_slot, hot.gradient_seed) == (8, 2, plan.gradient_seed)
+    assert (hot.group_size, hot.rollouts_per_slot) == (8, 2)
     assert hot.scaled(1.0) == plan
     grpo = make_plan("grpo", version=0, base_seed=1, group_size=8, n_slots=1)
     assert grpo.scaled(1.0) == grpo

@@ -20,8 +20,8 @@ import torch
 from threepo.algorithms import counter_normal, param_noise
 from threepo.services.engines.base import EngineRequest, SamplerConfig
 from threepo.services.engines.hf import HFEngine
-from threepo.services.learner import Learner
-from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig
+from threepo.services.learner.core import Learner
+from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig
 from threepo.services.messages import NoiseSpec, SamplingParams
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -77,7 +77,7 @@ def test_a_learner_step_on_the_device_equals_the_cpu_step(tiny_dense_path, explo
         assert float((moved_dev - moved_cpu).norm()) <= 1e-3 * float(moved_cpu.norm()) + 1e-7, name
     if exploration == "c3po":  # IVON's σ follows its h: the same on both
         for name in before:
-            torch.testing.assert_close(dev.opt.sigma_by_name()[name].cpu(), cpu.opt.sigma_by_name()[name], rtol=1e-3, atol=0)
+            torch.testing.assert_close(dev.optimizer.ivon.sigma_by_name()[name].cpu(), cpu.optimizer.ivon.sigma_by_name()[name], rtol=1e-3, atol=0)
 
 
 def test_the_hf_engine_serves_slots_on_the_device_with_its_checks(tiny_dense_path):

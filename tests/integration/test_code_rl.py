@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from threepo.deploy.cli import make_run_dir
+from threepo.deploy.commands import make_run_dir
 from threepo.deploy.config import load_config
 from threepo.deploy.run import train
 from threepo.services.batching import logged_groups

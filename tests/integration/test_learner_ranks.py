@@ -15,14 +15,14 @@ import torch
 
 from threepo.algorithms.exploration import make_plan
 from threepo.algorithms.param_noise import perturbed_state
-from threepo.deploy.cli import make_run_dir
+from threepo.deploy.commands import make_run_dir
 from threepo.deploy.config import load_config
 from threepo.deploy.learner_group import start_learner_group
 from threepo.deploy.run import train
 from threepo.services.batching import batches_from_groups
-from threepo.services.learner import Learner
-from threepo.services.learner_checkpoint import load_learner
-from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig
+from threepo.services.learner.core import Learner
+from threepo.services.learner.checkpoint import load_learner
+from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig
 from threepo.services.messages import Completion, Group, ScoredCompletion, VerifyResult, VerifyStatus
 from threepo.services.modeling import load_model, load_tokenizer, trainable_named_parameters
 from threepo.services.tasks import generate_items
@@ -104,7 +104,7 @@ def _adam_close(got: dict, want: dict, one: Learner) -> None:
     """Adam's first step is lr·g/(|g| + ε): where the gradient is at rounding level (here ~1e-8 of a
     max of ~0.07; 0.015% of the weights) summation order alone flips its sign. Elsewhere the two
     learners' weights agree to 1e-7 (lr 3e-3)."""
-    grads = {n: one.opt.state[p]["exp_avg"].numpy() / (1 - one.optim_cfg.beta1) for n, p in one.named}
+    grads = {n: one.optimizer.torch.state[p]["exp_avg"].numpy() / (1 - one.optim_cfg.beta1) for n, p in one.named}
     top = max(float(np.abs(g).max()) for g in grads.values())
     kept = {n: np.abs(g) > 1e-4 * top for n, g in grads.items()}
     assert sum(int(k.sum()) for k in kept.values()) > 0.9 * sum(k.size for k in kept.values())
@@ -144,7 +144,7 @@ def _state_is_sharded_and_loads_into_one_learner(group, one, cfg, path, tmp_path
     """IVON's m, h and g_m: about half per rank; the two shards load into one learner (the same state
     as the learner that took the same step) and into two new ranks (the same published version)."""
     per_rank = ray.get(group.state_bytes())
-    whole = one.optimizer_state_bytes()
+    whole = one.optimizer.state_bytes()
     assert sum(per_rank) == whole and max(per_rank) <= 0.6 * whole, (per_rank, whole)
     directory = str(tmp_path / "ckpt")
     os.makedirs(directory)
@@ -153,8 +153,8 @@ def _state_is_sharded_and_loads_into_one_learner(group, one, cfg, path, tmp_path
         ["learner-rank0.safetensors", "learner-rank1.safetensors"]
     loaded = _one_learner(path, cfg)
     load_learner(loaded, directory)
-    for kind, want in (("mean", one.opt.mean_by_name()), ("hess", one.opt.hess_by_name())):
-        got = {n: loaded.opt.state[n][kind] for n in want}
+    for kind, want in (("mean", one.optimizer.ivon.mean_by_name()), ("hess", one.optimizer.ivon.hess_by_name())):
+        got = {n: loaded.optimizer.ivon.state[n][kind] for n in want}
         _close(got, want, atol=1e-6 * max(1.0, max(float(t.abs().max()) for t in want.values())))
     assert loaded.step_count == one.step_count == 1
     again = _group(cfg, path, checkpoint=directory)
@@ -166,7 +166,6 @@ def _state_is_sharded_and_loads_into_one_learner(group, one, cfg, path, tmp_path
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_zero_steps_like_one_adamw_and_resumes_its_shards(ray_session, tmp_path, tiny_dense_path, stage):
-    pytest.importorskip("deepspeed")
     cfg = _configs(tiny_dense_path, tmp_path, "grpo_adamw", ranks=2)
     one = _one_learner(tiny_dense_path, cfg)
     arrays = batches_from_groups(_sampled_groups(tiny_dense_path, one.published(), "grpo", 1))
@@ -178,7 +177,7 @@ def test_deepspeed_zero_steps_like_one_adamw_and_resumes_its_shards(ray_session,
         _adam_close(after.mean, one.published().mean, one)
         # each rank holds half of the fp32 master weights and moments (12 B / 2 per parameter) where
         # one AdamW learner holds its moments whole (8 B per parameter)
-        per_rank, whole = ray.get(group.state_bytes()), one.optimizer_state_bytes()
+        per_rank, whole = ray.get(group.state_bytes()), one.optimizer.state_bytes()
         assert max(per_rank) < 0.8 * whole and abs(per_rank[0] - per_rank[1]) < 0.01 * whole, (per_rank, whole)
         final = ray.get(group.save_hf.remote(str(tmp_path / "final")))
         exported = dict(trainable_named_parameters(load_model(final)))

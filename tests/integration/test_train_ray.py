@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from threepo.deploy.cli import make_run_dir
+from threepo.deploy.commands import make_run_dir
 from threepo.deploy.config import load_config
 from threepo.deploy.run import RunStopped, train
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from threepo.deploy.cli import make_run_dir
+from threepo.deploy.commands import make_run_dir
 from threepo.deploy.config import load_config
 from threepo.deploy.run import train
 

@@ -14,9 +14,9 @@ from threepo.algorithms import losses
 from threepo.algorithms.exploration import make_plan, update_seed
 from threepo.algorithms.param_noise import perturbed_state
 from threepo.services.batching import batches_from_groups, collate
-from threepo.services.learner import Learner
-from threepo.services.learner_advantages import step_rewards
-from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig
+from threepo.services.learner.core import Learner
+from threepo.services.learner.objective import step_rewards
+from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig
 from threepo.services.messages import Completion, Group, ScoredCompletion, VerifyResult, VerifyStatus
 from threepo.services.modeling import load_model, load_tokenizer, trainable_named_parameters
 from threepo.services.tasks import generate_items
@@ -92,13 +92,13 @@ def _learner(path, exploration="c3po", n_slots=4, optim=None, sync=None, beside=
 
 def _train_seeds(learner) -> list:
     """Records the seed of every IVON training sample the learner takes (sampled_params, train=True)."""
-    seen, original = [], learner.opt.sampled_params
+    seen, original = [], learner.optimizer.ivon.sampled_params
 
     def spy(seed, train=True, scale=1.0):
         if train:
             seen.append(seed)
         return original(seed, train, scale)
-    learner.opt.sampled_params = spy
+    learner.optimizer.ivon.sampled_params = spy
     return seen
 
 
@@ -110,7 +110,7 @@ def _rescored(group, rewards):
 
 
 def _means(learner):
-    return {n: t.clone() for n, t in learner.opt.mean_by_name().items()}
+    return {n: t.clone() for n, t in learner.optimizer.ivon.mean_by_name().items()}
 
 
 @pytest.mark.parametrize("exploration,n_slots,points", [("c3po", 4, 1), ("m3po", 2, 2), ("b3po", 1, 1),
@@ -121,9 +121,9 @@ def test_one_step_takes_the_gradient_where_the_plan_says(sampler, tiny_dense_pat
     batch = collate(*batches_from_groups(groups))
     (update,) = learner._updates(batch, torch.ones(len(groups), dtype=torch.bool))  # one update by default
     assert len(update) == points
-    before = {n: t.clone() for n, t in learner.opt.mean_by_name().items()}
+    before = {n: t.clone() for n, t in learner.optimizer.ivon.mean_by_name().items()}
     result = _step(learner, groups)
-    moved = max(float((learner.opt.mean_by_name()[n] - before[n]).abs().max()) for n in before)
+    moved = max(float((learner.optimizer.ivon.mean_by_name()[n] - before[n]).abs().max()) for n in before)
     o = learner.optim_cfg  # a step moves each weight by at most α·ξ, α = lr·(h0 + δ) (clip radius ξ)
     ulp = max(float(t.abs().max()) for t in before.values()) * torch.finfo(torch.float32).eps  # fp32 rounding
     assert 0 < moved <= o.lr * (o.hess_init + o.weight_decay) * o.clip_radius + ulp
@@ -164,8 +164,8 @@ def test_state_round_trip_continues_identically(sampler, tiny_dense_path):
     assert ra.step == rb.step == 2
     for key in ("loss", "kl_k3", "ess_frac", "advantage_mean"):
         assert ra.metrics[key] == pytest.approx(rb.metrics[key], abs=1e-7), key
-    for n, t in a.opt.mean_by_name().items():
-        assert torch.equal(t, b.opt.mean_by_name()[n]), n
+    for n, t in a.optimizer.ivon.mean_by_name().items():
+        assert torch.equal(t, b.optimizer.ivon.mean_by_name()[n]), n
 
 
 @pytest.mark.parametrize("exploration,n_slots", [("b3po", 1), ("m3po", 2)])
@@ -189,10 +189,10 @@ def test_grpo_with_ivon_takes_its_gradient_at_a_sample_so_h_keeps_an_estimate(sa
     learner = _learner(tiny_dense_path, "grpo", 1)
     groups = _groups(sampler, learner, "grpo", 1, 8)
     seen = _train_seeds(learner)
-    before = {n: t.clone() for n, t in learner.opt.hess_by_name().items()}
+    before = {n: t.clone() for n, t in learner.optimizer.ivon.hess_by_name().items()}
     _step(learner, groups)
     assert seen and None not in seen
-    assert any(bool((learner.opt.hess_by_name()[n] > h).any()) for n, h in before.items())
+    assert any(bool((learner.optimizer.ivon.hess_by_name()[n] > h).any()) for n, h in before.items())
 
 
 def test_one_update_per_batch_leaves_the_clip_inert(sampler, tiny_dense_path):
@@ -207,7 +207,7 @@ def test_mini_batches_update_against_the_start_of_step_policy_so_the_clips_act(s
                        ppo_epochs=2, eps_low=1e-3, eps_high=1e-3, is_correction="none")
     groups = _groups(sampler, learner, "grpo", 1, 8)
     result = _step(learner, groups)
-    assert result.metrics["updates"] == 6 and learner.opt.state_dict()["state"][0]["step"] == 6
+    assert result.metrics["updates"] == 6 and learner.optimizer.torch.state_dict()["state"][0]["step"] == 6
     assert result.metrics["clip_frac"] > 0.1 and result.metrics["ppo_kl"] != 0.0
 
 
@@ -216,7 +216,7 @@ def test_ivon_mini_batches_are_optimizer_steps_each_at_a_fresh_sample(sampler, t
     groups = _groups(sampler, learner, "c3po", 4, 8)
     seen = _train_seeds(learner)
     result = _step(learner, groups)
-    assert learner.opt.param_groups[0]["step"] == 3 and len(set(seen)) == 3
+    assert learner.optimizer.ivon.param_groups[0]["step"] == 3 and len(set(seen)) == 3
     assert seen == [update_seed(0, 0, u, 0) for u in range(3)]
     assert result.metrics["ppo_kl"] != 0.0  # later mini-batches see ratios ≠ 1
 
@@ -281,7 +281,7 @@ def test_lampo_compares_sequences_under_one_recomputed_policy(sampler, tiny_dens
     # ... and equal what the learner's forward at the step's gradient point gives
     c = _learner(tiny_dense_path, advantage="lampo")
     batch = collate(*batches_from_groups(groups))
-    with torch.no_grad(), c.opt.sampled_params(update_seed(0, 0, 0, 0), train=False):
+    with torch.no_grad(), c.optimizer.ivon.sampled_params(update_seed(0, 0, 0, 0), train=False):
         logits = c.model(input_ids=batch.input_ids, attention_mask=batch.attn).logits[:, :-1]
     seq = adv_math.sequence_logprob(losses.token_logprobs(logits, batch.targets, 1.0), batch.mask, "sum")
     rewards = step_rewards(batch, c.algo)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from threepo.deploy.config import ConfigError, load_config
-from threepo.services.learner_ranks import SingleRank, share_of
+from threepo.services.learner.ranks import SingleRank, share_of
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -40,12 +40,11 @@ def test_publish_makes_the_plan_of_each_kind(kind, n_slots, expect_slots, expect
     plan = published.plan
     assert published.version == 1 and published.learner_step == 10 and published.reason == "test"
     assert published.mean_checksum == _pv(1).mean_checksum and server.version_plan(1) == published
-    assert server.current_version() == 1 and server.plan(1) == plan
+    assert server.current_version() == 1 and server.version_plan(1).plan == plan
     assert plan.kind == kind and plan.version == 1
     assert len(plan.slots) == expect_slots and plan.groups_per_prompt == expect_groups
     seeds = [s.seed for s in plan.slots]
     assert (seeds == [None]) if kind == "grpo" else (len(set(seeds)) == n_slots and None not in seeds)
-    assert (plan.gradient_seed is not None) == (kind != "grpo")
     # a new version draws new seeds; the same config in a fresh server draws the same ones
     other = _server(PosteriorConfig(kind=kind, group_size=8, n_slots=n_slots, base_seed=5), upto=0)
     assert other.publish(_pv(1)).plan == plan
@@ -58,14 +57,14 @@ def test_weights_are_read_only_fp32_copies_and_the_server_numbers_versions():
     pv = _pv(3)
     assert server.publish(pv).version == 3
     mean, sigma, checksum = server.weights(3)
-    assert checksum == pv.mean_checksum == server.mean_checksum(3)
+    assert checksum == pv.mean_checksum == server.version_plan(3).mean_checksum
     assert mean["w"].dtype == np.float32 and sigma["b"].dtype == np.float32
     np.testing.assert_array_equal(mean["w"], pv.mean["w"].astype(np.float32))
     pv.mean["w"][0, 0] = 123.0  # the publisher's buffer changes later: the version must not
     assert mean["w"][0, 0] != 123.0
     with pytest.raises(ValueError):
         mean["w"][0, 0] = 1.0
-    assert server.learner_step(3) == 30 and server.publish(_pv(9)).version == 4
+    assert server.version_plan(3).learner_step == 30 and server.publish(_pv(9)).version == 4
 
 
 def test_bad_publications_are_rejected_with_the_field():
@@ -85,43 +84,38 @@ def test_bad_publications_are_rejected_with_the_field():
 def test_a_held_version_outlives_newer_publishes_until_its_holder_lets_go():
     # the driver publishes with a hold and releases the previous version only once it has adopted the
     # new one: admissions it sends in between still name the previous version and must find it
-    server = PosteriorServer(PosteriorConfig(kind="b3po", n_slots=1, keep_versions=1))
+    server = PosteriorServer(PosteriorConfig(kind="b3po", n_slots=1))
     server.publish(_pv(0), hold=True)
     server.publish(_pv(1), hold=True)
     server.publish(_pv(2), hold=True)  # published before the driver took in version 1
     server.acquire(0, n=2)  # admissions at the version the driver still admits at
-    assert server.versions() == [0, 1, 2] and server.refcount(1) == 1
+    assert sorted(_refcounts(server)) == [0, 1, 2] and _refcounts(server)[1] == 1
     server.release(0)  # the driver adopts 1, letting go of 0
     server.release(0, n=2)
     server.release(1)  # ... then 2
-    assert server.versions() == [2] and server.refcount(2) == 1
+    assert sorted(_refcounts(server)) == [2] and _refcounts(server)[2] == 1
 
 
 def test_a_referenced_old_version_stays_until_released():
-    server = _server(PosteriorConfig(kind="b3po", n_slots=1, keep_versions=1), upto=1)
+    server = _server(PosteriorConfig(kind="b3po", n_slots=1), upto=1)
     server.acquire(1, n=3)
     server.publish(_pv(2))
     server.publish(_pv(3))
-    assert server.versions() == [1, 3]  # 2 was never referenced and is beyond keep_versions
+    assert sorted(_refcounts(server)) == [1, 3]  # 2 was never referenced and is not the current one
     with pytest.raises(KeyError, match="version 2"):
         server.weights(2)
     server.release(1, n=2)
-    assert server.plan(1).version == 1 and server.refcount(1) == 1
+    assert server.version_plan(1).plan.version == 1 and _refcounts(server)[1] == 1
     server.release(1)
-    assert server.versions() == [3]
+    assert sorted(_refcounts(server)) == [3]
     with pytest.raises(KeyError, match="version 1"):
-        server.plan(1)
+        server.version_plan(1).plan
     # the current version survives without references; over-release is an error
     with pytest.raises(ValueError, match="release n"):
         server.release(3)
     server.acquire(3)
     server.release(3)
-    assert server.versions() == [3]
-
-
-def test_keep_versions_keeps_the_newest_unreferenced_ones():
-    server = _server(PosteriorConfig(kind="grpo", n_slots=1, keep_versions=2), upto=5, sigma=False)
-    assert server.versions() == [4, 5]
+    assert sorted(_refcounts(server)) == [3]
 
 
 def test_an_engine_takes_the_published_mean_and_refuses_another(tiny_dense_path):
@@ -129,9 +123,9 @@ def test_an_engine_takes_the_published_mean_and_refuses_another(tiny_dense_path)
     shapes = {n: tuple(p.shape) for n, p in engine._params.items()}
     server = _server(PosteriorConfig(kind="c3po", group_size=4, n_slots=2, base_seed=9), upto=4, scale=0.02,
                      shapes=shapes)
-    plan = server.plan(4)
+    plan = server.version_plan(4).plan
     engine.load_version(4, *server.weights(4))
-    assert engine.serve(NoiseSpec(4, plan.slots[0].seed)).mean_checksum == server.mean_checksum(4)
+    assert engine.serve(NoiseSpec(4, plan.slots[0].seed)).mean_checksum == server.version_plan(4).mean_checksum
     mean, sigma, checksum = server.weights(4)
     tampered = dict(mean, **{"model.norm.weight": mean["model.norm.weight"] + 1e-3})
     with pytest.raises(WeightsMismatch, match="checksum"):
@@ -140,38 +134,45 @@ def test_an_engine_takes_the_published_mean_and_refuses_another(tiny_dense_path)
 
 
 def test_state_round_trip_restores_versions_plans_and_refcounts():
-    cfg = PosteriorConfig(kind="c3po", group_size=8, n_slots=4, base_seed=3, keep_versions=1)
+    cfg = PosteriorConfig(kind="c3po", group_size=8, n_slots=4, base_seed=3)
     server = _server(cfg, upto=1)
     server.acquire(1, n=2)
     server.publish(_pv(2))
     state = server.state()
     assert _plain(state), "state must hold numpy arrays and plain values only"
     restored = PosteriorServer.from_state(state)
-    assert restored.versions() == [1, 2] and restored.current_version() == 2
-    assert restored.plan(1) == server.plan(1) and restored.plan(2) == server.plan(2)
-    assert restored.refcount(1) == 2 and restored.refcount(2) == 0
+    assert sorted(_refcounts(restored)) == [1, 2] and restored.current_version() == 2
+    assert restored.version_plan(1).plan == server.version_plan(1).plan and restored.version_plan(2).plan == server.version_plan(2).plan
+    assert _refcounts(restored)[1] == 2 and _refcounts(restored)[2] == 0
     for v in (1, 2):
         for a, b in zip(server.weights(v)[:2], restored.weights(v)[:2]):
             assert a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
-    assert restored.mean_checksum(1) == server.mean_checksum(1)
+    assert restored.version_plan(1).mean_checksum == server.version_plan(1).mean_checksum
     # a restored plan stays as saved even if the config for future versions changes
     moved = PosteriorServer.from_state(state, PosteriorConfig(kind="c3po", group_size=8, n_slots=2, base_seed=4))
-    assert moved.plan(1) == server.plan(1) and len(moved.publish(_pv(3)).plan.slots) == 2
+    assert moved.version_plan(1).plan == server.version_plan(1).plan and len(moved.publish(_pv(3)).plan.slots) == 2
     restored.release(1, n=2)
-    assert restored.versions() == [2] and restored.publish(_pv(3)).version == 3
+    assert sorted(_refcounts(restored)) == [2] and restored.publish(_pv(3)).version == 3
 
 
 def test_checkpoint_files_round_trip_with_references_dropped(tmp_path):
     from threepo.services.posterior import load_posterior, save_posterior
 
-    server = _server(PosteriorConfig(kind="c3po", group_size=8, n_slots=4, base_seed=3, keep_versions=2), upto=2)
+    server = _server(PosteriorConfig(kind="c3po", group_size=8, n_slots=4, base_seed=3), upto=1)
+    server.acquire(1)  # an older version kept by a reference
+    server.publish(_pv(2))
     server.acquire(2, n=5)
     save_posterior(server, str(tmp_path))
     restored = load_posterior(str(tmp_path))
-    assert restored.versions() == server.versions() and restored.current_version() == 2
-    assert all(restored.version_plan(v) == server.version_plan(v) for v in server.versions())
-    assert restored.refcount(2) == 0  # what was in flight is regenerated on resume
+    assert sorted(_refcounts(restored)) == sorted(_refcounts(server)) and restored.current_version() == 2
+    assert all(restored.version_plan(v) == server.version_plan(v) for v in sorted(_refcounts(server)))
+    assert _refcounts(restored)[2] == 0  # what was in flight is regenerated on resume
     assert np.array_equal(restored.weights(1)[1]["w"], server.weights(1)[1]["w"])
+
+
+def _refcounts(server: PosteriorServer) -> dict[int, int]:
+    """The versions the server holds now and the references each holds (from its checkpoint state)."""
+    return {v["version"]: v["refcount"] for v in server.state()["versions"]}
 
 
 def _plain(value) -> bool:

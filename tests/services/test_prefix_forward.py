@@ -127,7 +127,7 @@ def test_token_stats_from_hidden_states_in_chunks_equal_the_full_forwards(tiny_d
 
 
 def test_micro_batches_are_whole_prompt_runs_or_equal_sub_runs_within_the_budget():
-    from threepo.services.learner_memory import micro_batches
+    from threepo.services.learner.memory import micro_batches
 
     rows, mask = torch.arange(32), torch.zeros(32, 14)
     mask[:, 7:11] = 1  # prompts of 8 tokens, completions of 4: a row of a run of 8 costs 4 + 1 positions

@@ -93,7 +93,7 @@ def _requests(plan, slots, prompts=("Q: 1+2= A: ", "Q: 30*4= A: "), n=2, version
 
 def test_completions_carry_ids_seq_numbers_and_the_published_mean_checksum(setup):
     sampler, engine, server = setup
-    plan = server.plan(1)
+    plan = server.version_plan(1).plan
     requests = _requests(plan, slots=[0, 2])
     completions = _gen(sampler, requests)
     assert [c.completion_id for c in completions] == [f"{r.request_id}/{j}" for r in requests for j in range(2)]
@@ -101,7 +101,7 @@ def test_completions_carry_ids_seq_numbers_and_the_published_mean_checksum(setup
     for c, r in zip(completions, [r for r in requests for _ in range(2)]):
         assert (c.request_id, c.group_id, c.slot, c.prompt_uid) == (r.request_id, r.group_id, r.slot, r.item.uid)
         assert (c.engine_id, c.policy_version, c.slot_seed) == (7, 1, r.slot_seed)
-        assert c.mean_checksum == server.mean_checksum(1) and c.weights_verified
+        assert c.mean_checksum == server.version_plan(1).mean_checksum and c.weights_verified
         assert len(c.prompt_ids) == len(r.item.prompt) and 1 <= len(c.token_ids) == len(c.logprobs) <= 6
         assert c.finish_reason in ("stop", "length") and all(lp <= 0 for lp in c.logprobs)
     assert completions[0].logprobs != completions[4].logprobs  # slots 0 and 2 are different policies
@@ -117,7 +117,7 @@ def test_completions_carry_ids_seq_numbers_and_the_published_mean_checksum(setup
 
 def test_a_scaled_slot_is_its_own_serve_and_its_completions_carry_the_scale(setup):
     sampler, engine, server = setup
-    plan = server.plan(1)
+    plan = server.version_plan(1).plan
     base = _requests(plan, [0], prompts=("a", "b"))
     hot = [dataclasses.replace(r, slot_scale=2.0) for r in base]  # same ids: the same sampling streams
     completions = _gen(sampler, [base[0], hot[0], base[1], hot[1]])
@@ -130,7 +130,7 @@ def test_a_scaled_slot_is_its_own_serve_and_its_completions_carry_the_scale(setu
 
 def test_one_serve_and_one_generate_per_slot_group(setup):
     sampler, engine, server = setup
-    plan = server.plan(1)
+    plan = server.version_plan(1).plan
     # interleaved slots 1, 0, 1, 2, 0: three groups
     requests = [_requests(plan, [s], prompts=(p,))[0] for s, p in
                 [(1, "a"), (0, "b"), (1, "c"), (2, "d"), (0, "e")]]
@@ -143,7 +143,7 @@ def test_one_serve_and_one_generate_per_slot_group(setup):
     by_seed = defaultdict(set)
     for c in completions:
         by_seed[c.slot_seed].add((c.mean_checksum, c.weights_verified))
-    assert all(v == {(server.mean_checksum(1), True)} for v in by_seed.values()) and len(by_seed) == 3
+    assert all(v == {(server.version_plan(1).mean_checksum, True)} for v in by_seed.values()) and len(by_seed) == 3
     # the engine still serves slot 2: a batch for slot 2 needs no new serve, one for slot 1 does
     _gen(sampler, _requests(plan, [2], prompts=("f",)))
     assert len(engine.serves) == 3
@@ -157,7 +157,7 @@ def test_one_serve_and_one_generate_per_slot_group(setup):
 
 def test_requests_of_one_slot_with_different_n_share_the_serve(setup):
     sampler, engine, server = setup
-    plan = server.plan(1)
+    plan = server.version_plan(1).plan
     requests = _requests(plan, [0], prompts=("a",), n=1) + _requests(plan, [0], prompts=("b",), n=3)
     completions = _gen(sampler, requests)
     assert len(engine.serves) == 1 and [ns for _, ns, _ in engine.generates] == [[1, 3]]
@@ -166,7 +166,7 @@ def test_requests_of_one_slot_with_different_n_share_the_serve(setup):
 
 def test_a_request_for_another_version_is_refused_before_any_work(setup, hf_engine):
     sampler, engine, server = setup
-    plan = server.plan(1)
+    plan = server.version_plan(1).plan
     requests = _requests(plan, [0]) + _requests(plan, [1], version=2)
     with pytest.raises(ValueError, match=r"policy_version 2.*holds version 1"):
         _gen(sampler, requests)
@@ -179,9 +179,9 @@ def test_a_request_for_another_version_is_refused_before_any_work(setup, hf_engi
 
 def test_a_reissued_request_draws_the_same_tokens(setup):
     sampler, _, server = setup
-    requests = _requests(server.plan(1), [0, 1])
+    requests = _requests(server.version_plan(1).plan, [0, 1])
     first = _gen(sampler, requests)
-    _gen(sampler, _requests(server.plan(1), [2], prompts=("other",)))  # the engine moves on
+    _gen(sampler, _requests(server.version_plan(1).plan, [2], prompts=("other",)))  # the engine moves on
     again = _gen(sampler, requests[::-1])  # and the batch is composed differently
     by_id = {c.completion_id: c.token_ids for c in again}
     assert [by_id[c.completion_id] for c in first] == [c.token_ids for c in first]
@@ -193,7 +193,7 @@ def test_metrics_follow_the_stats(setup):
     metrics = PrometheusMetrics()
     sampler = Sampler(engine, prompts=PROMPTS, engine_id=3, cfg=CFG, metrics=metrics)
     sampler.update(1, *server.weights(1))
-    completions = _gen(sampler, _requests(server.plan(1), [0]))
+    completions = _gen(sampler, _requests(server.version_plan(1).plan, [0]))
 
     def value(name):
         return metrics.registry.get_sample_value(name, {"engine_id": "3"})
@@ -209,7 +209,7 @@ def test_weights_corrupted_while_serving_are_flagged_and_reloaded(setup):
     metrics = PrometheusMetrics()
     sampler = Sampler(engine, prompts=PROMPTS, engine_id=5, cfg=CFG, metrics=metrics)
     sampler.update(1, *server.weights(1))
-    requests = _requests(server.plan(1), [1])
+    requests = _requests(server.version_plan(1).plan, [1])
     assert all(c.weights_verified for c in _gen(sampler, requests))
     with torch.no_grad():
         next(iter(engine.inner.served().values())).view(-1)[3] += 1e-3  # a stray write into served weights
@@ -252,7 +252,7 @@ def test_noise_lost_to_bf16_is_measured_and_warned_about(tiny_dense_path, caplog
 
 def test_an_engine_with_generate_slots_decodes_a_calls_slots_together_with_the_same_draws(setup, hf_engine):
     counting, engine, server = setup  # CountingEngine has no slots_together: one serve and generate per slot
-    plan = server.plan(1)
+    plan = server.version_plan(1).plan
     requests = _requests(plan, [0, 2, 1])
     one_by_one = _gen(counting, requests)
     together = Sampler(hf_engine, prompts=PROMPTS, engine_id=7, cfg=CFG)
@@ -264,5 +264,5 @@ def test_an_engine_with_generate_slots_decodes_a_calls_slots_together_with_the_s
     assert [c.token_ids for c in joint] == [c.token_ids for c in one_by_one]
     for a, b in zip(joint, one_by_one):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
-        assert a.weights_verified and a.mean_checksum == server.mean_checksum(1)
+        assert a.weights_verified and a.mean_checksum == server.version_plan(1).mean_checksum
     assert together.stats()["noise_ratio"] == pytest.approx(1.0, abs=1e-3)

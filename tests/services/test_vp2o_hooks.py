@@ -17,7 +17,7 @@ from threepo.algorithms.moe import (  # noqa: E402
 from threepo.algorithms.svgd import angular_kernel, attract_expert_grads, prototypes, repulsion_energy  # noqa: E402
 from threepo.algorithms.vp2o import prototype_drift_fn  # noqa: E402
 from threepo.services.modeling import load_model  # noqa: E402
-from threepo.services.vp2o_hooks import VP2OConfig, VP2OHooks  # noqa: E402
+from threepo.services.learner.vp2o import VP2OConfig, VP2OHooks  # noqa: E402
 
 # the default co-activation thresholds (relative to a uniform top-2 router) with stronger coefficients
 CFG = VP2OConfig(gamma_rep=1e-2, lambda_orth=1e-2, lambda_div=1e-2)

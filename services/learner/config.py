@@ -230,7 +230,7 @@ class SyncConfig:
 
 @dataclass(frozen=True)
 class LearnerConfig:
-    """How the learner runs: one process, or R data-parallel ranks (services/learner_ranks.py;
+    """How the learner runs: one process, or R data-parallel ranks (services/learner/ranks.py;
     deploy/learner_group.py starts them as Ray actors in one placement group)."""
 
     ranks: int = 1
@@ -255,7 +255,7 @@ class LearnerConfig:
     when prompts are as long as completions). VP2O's routing hooks keep the plain forward."""
     drift_process: bool = True
     """IVON on one CPU rank: run the drift diagnostic's no-grad forward at a slot (the sync budget's
-    KL and ESS) in a process of its own beside the update (services/beside.py), on a core the
+    KL and ESS) in a process of its own beside the update (services/learner/beside.py), on a core the
     samplers leave idle, instead of on the learner's. It holds a second copy of the model; until it
     has loaded it (seconds) the learner computes those forwards itself. false: always itself. A
     local run with a fixed sampler pool starts it only where a core is left beside the learner's

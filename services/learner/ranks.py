@@ -1,7 +1,7 @@
 """The learner's collectives: one rank alone (`SingleRank`, every collective the identity) or one of
 R data-parallel ranks over torch.distributed (`Ranks`: gloo on CPU, nccl on GPU).
 
-What the learner does with them (services/learner.py; the math of the decomposition is in
+What the learner does with them (services/learner/core.py; the math of the decomposition is in
 algorithms/ivon_shard.py): every rank collates the whole step and computes everything that is
 cheap on every row (advantages, the plan of updates, the sync decision), but runs the forward and
 backward passes only on its share of each gradient point's groups (`mine`: whole groups, split by
@@ -170,7 +170,7 @@ class Ranks:
                     p.copy_(t)
 
     def share_logprobs(self, start, points: Sequence[tuple[tuple, torch.Tensor]]) -> None:
-        """Complete `start` (services/proximal.py) on the rows of each (point, rows) from the ranks that
+        """Complete `start` (services/learner/proximal.py) on the rows of each (point, rows) from the ranks that
         computed them (each row on one rank, zeros elsewhere: the sum is exact)."""
         for point, rows in points:
             if len(rows):

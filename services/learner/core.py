@@ -1,4 +1,5 @@
-"""The learner: owns the training copy of the model and the optimizer state (IVON or AdamW).
+"""The learner: owns the training copy of the model and, through its optimizer object, the optimizer
+state (services/learner/optimizers.py: IVON's posterior, AdamW, or AdamW placed by DeepSpeed).
 
 `step(groups, batches, scores)` collates complete, scored groups (rows of the step's array batches,
 services/batching.py) once and turns them into advantages and the off-policy-corrected loss (all
@@ -11,14 +12,17 @@ importance weights correct each rollout's behaviour μ (its slot at its version)
 budget acts on the drift of each rollout's own slot rebuilt from the start-of-step posterior, not on
 the exploration noise between slots (off_policy.behaviour_drift); an IVON step that publishes on
 staleness anyway does not measure it, and on one CPU rank (`beside`) its forward runs in a process
-of its own beside the update (services/beside.py). As one of R data-parallel ranks (`ranks`,
-services/learner_ranks.py) it computes its share of each point's rows, on gradients summed over the
+of its own beside the update (services/learner/beside.py). As one of R data-parallel ranks (`ranks`,
+services/learner/ranks.py) it computes its share of each point's rows, on gradients summed over the
 ranks, and IVON steps only the tensors this rank owns.
+
+Every variant is chosen once, in `__init__`: the optimizer (`make_optimizer`), the advantage
+estimator and the policy loss (services/learner/objective.py), and what runs around the
+optimizer step (services/learner/around.py: nothing, or VP2O). The step asks them; it tests no names.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,24 +31,23 @@ import numpy as np
 import torch
 
 from threepo.algorithms import advantages as adv_math
-from threepo.algorithms import losses, off_policy
+from threepo.algorithms import losses
 from threepo.algorithms.exploration import gradient_points
-from threepo.algorithms.ivon import IVON
 from threepo.algorithms.param_noise import weights_checksum
 from threepo.algorithms.sync_budget import sync_decision
-from threepo.services.learner_config import AlgoConfig, OptimConfig, SyncConfig, has_drift_process
-from threepo.services.learner_deepspeed import DeepSpeedAdamW
-from threepo.services.learner_ranks import Ranks, SingleRank
+from threepo.services.learner.around import make_around
+from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig, VP2OConfig, has_drift_process
+from threepo.services.learner.optimizers import make_optimizer
+from threepo.services.learner.ranks import Ranks, SingleRank
 from threepo.services.batching import TrainBatch, collate
 from threepo.services.messages import CompletionBatch, GroupRows, PublishedVersion, ScoreBatch
 from threepo.services.modeling import load_model, trainable_named_parameters
-from threepo.services.beside import BesideProcess, Pending
-from threepo.services.learner_advantages import group_metrics, step_advantages, step_rewards
-from threepo.services.learner_memory import (bytes_per_position, denominators, head_chunk, micro_batches,
+from threepo.services.learner.beside import BesideProcess, Pending
+from threepo.services.learner.objective import group_metrics, make_estimator, make_policy_loss, step_advantages
+from threepo.services.learner.memory import (bytes_per_position, denominators, head_chunk, micro_batches,
                                              over_micro_batches)
 from threepo.services.prefix_forward import plain_head, prompt_runs, row_logprobs, row_token_stats
-from threepo.services.proximal import StartLogprobs, drift_metrics, drift_sample
-from threepo.services.vp2o_hooks import VP2OConfig, VP2OHooks
+from threepo.services.learner.proximal import StartLogprobs, drift_metrics, drift_sample
 
 
 _NO_DRIFT = (0.0, 1.0)  # (KL, ESS fraction) of a behaviour policy equal to the current one
@@ -87,22 +90,11 @@ class Learner:
         # the drift forwards at slot weights in a process beside the update (learner_config.has_drift_process)
         self.beside = (BesideProcess(model_path, self.named, temperature, self.chunk, bf16) if beside and has_drift_process(
             optim.name, self.ranks.world, deepspeed_stage, self.device.type) else None)
-        # AdamW's model side through DeepSpeed at ZeRO `deepspeed_stage` (services/learner_deepspeed.py)
-        self.engine = (DeepSpeedAdamW(self.model, optim, deepspeed_stage, self.ranks.rank, self.ranks.world)
-                       if deepspeed_stage >= 0 else None)
-        self.opt = self.engine.optimizer if self.engine else self._make_optimizer()
-        self.vp2o = VP2OHooks(self.model, vp2o or VP2OConfig()) if algo.vp2o else None
+        self.optimizer = make_optimizer(self.model, self.named, optim, self.ranks, deepspeed_stage)
+        self.estimator, self.loss = make_estimator(algo), make_policy_loss(algo)
+        self.around = make_around(self.model, self.optimizer, (vp2o or VP2OConfig()) if algo.vp2o else None)
         self.step_count, self.steps_since_sync = 0, 0
-        self.shared_prefix = shared_prefix and not algo.vp2o  # VP2O's hooks count the tokens they route
-
-    def _make_optimizer(self):
-        o = self.optim_cfg
-        if o.name == "ivon":
-            return IVON(self.ranks.own(self.named), lr=o.lr, ess=o.ess, hess_init=o.hess_init, beta1=o.beta1,
-                        beta2=o.beta2, weight_decay=o.weight_decay, clip_radius=o.clip_radius,
-                        rescale_lr=o.rescale_lr)
-        return torch.optim.AdamW([p for _, p in self.named], lr=o.lr, betas=(o.beta1, o.beta2),
-                                 weight_decay=o.weight_decay)
+        self.shared_prefix = shared_prefix and not self.around.whole_update
 
     # ---- one training step ------------------------------------------------------------------
     def step(self, groups: Sequence[GroupRows], batches: Sequence[CompletionBatch],
@@ -116,68 +108,41 @@ class Learner:
               scores: Sequence[ScoreBatch]) -> StepResult:
         started = time.perf_counter()
         batch = collate(groups, batches, scores).to(self.device)
-        rewards = step_rewards(batch, self.algo)
+        rewards = self.estimator.rewards(batch)
         keep = adv_math.dynamic_filter(rewards) if self.algo.dynamic_filter else torch.ones(len(groups), dtype=torch.bool, device=self.device)
         updates = self._updates(batch, keep)
         measured = self._drift_rows(batch, updates)
         start, pending = self._start_logprobs(batch, updates, measured)
-        lampo = self.algo.advantage == "lampo"  # its Δs needs π_prox before the first update
-        advantages, adv_metrics = step_advantages(batch, rewards, self.algo, start.first(updates) if lampo else None)
-        diag, vp2o_metrics, size = [], {}, batch.rewards.shape[1]
+        prox_first = self.estimator.needs_prox  # e.g. LamPO's Δs: π_prox before the first update
+        advantages, adv_metrics = step_advantages(self.estimator, batch, rewards,
+                                                  start.first(updates) if prox_first else None)
+        diag, around_metrics, size = [], {}, batch.rewards.shape[1]
         for u, points in enumerate(updates):
             for seed, rows in points:
                 mine = self.ranks.mine(rows, size)  # all rows alone; this rank's groups of them among R
-                with self._at(seed):
+                with self.optimizer.at(seed):
                     metrics, logp = self._backward(batch, mine, advantages[mine], start.get(seed, mine))
                 if u == 0:
                     start.put(seed, mine, logp)  # update 0 runs at the start weights: its own π_prox
                 diag.append((float(batch.mask[mine].sum()), metrics))
             pending.join(start)  # before the first optimizer step moves (m, σ)
-            vp2o_metrics = self._vp2o_step() if self.vp2o else self._optimizer_step()
+            around_metrics = self.around.step()
         pending.join(start)
-        self.ranks.share_logprobs(start, [((s, 1.0), r) for s, r in updates[0]] if updates and not lampo else [])
+        self.ranks.share_logprobs(start, [((s, 1.0), r) for s, r in updates[0]] if updates and not prox_first else [])
         self.step_count += 1
         self.steps_since_sync += 1
         metrics = {**adv_metrics, **self.ranks.point_metrics(diag), **group_metrics(batch, self.step_count),
-                   **vp2o_metrics, **drift_metrics(batch, start, updates, measured),
+                   **around_metrics, **drift_metrics(batch, start, updates, measured),
                    "updates": float(len(updates)), "filtered_groups": float((~keep).sum())}
         drift = (metrics["kl_k3_drift"], metrics["ess_frac_drift"]) if len(measured) else _NO_DRIFT
         decision = self._sync_decision(*drift, self.steps_since_sync)
         if decision.publish:
-            if self.vp2o:
-                self.vp2o.on_sync()  # the anchor of the prototype budget moves with the behaviour policy
+            self.around.on_sync()
             self.steps_since_sync = 0
         metrics["step_time_s"] = time.perf_counter() - started
-        metrics.update(self._sigma_metrics())
+        metrics.update(self.optimizer.metrics())
         return StepResult(step=self.step_count, metrics=metrics, publish=decision.publish,
                           publish_reason=decision.reason)
-
-    def _optimizer_step(self) -> dict[str, float]:
-        """One optimizer step from the accumulated gradients (no metrics of its own)."""
-        if self.engine:
-            self.engine.step()  # DeepSpeed reduces, clips and steps its partition
-            return {}
-        if self.optim_cfg.name == "adamw":
-            self.ranks.all_reduce_grads(self.named)
-            torch.nn.utils.clip_grad_norm_([p for _, p in self.named], self.optim_cfg.grad_clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        if self.optim_cfg.name == "ivon":
-            self.ranks.broadcast_from_owners(self.named)  # every rank's model at the owners' new means
-        return {}
-
-    def _vp2o_step(self) -> dict[str, float]:
-        """VP2O around the optimizer step (algorithms.md §3.5, §3.7): Stein transport of the expert
-        gradients (IVON: on its K-sample mean gradient), the step, then the anchor prototype budget."""
-        if self.optim_cfg.name == "ivon":
-            grads = {k[5:]: t for k, t in self.opt.sample_averages().items() if k.startswith("grad/")}
-            metrics = self.vp2o.transform_grads(grads)
-            write_back = lambda name, t: self.opt.state[name]["mean"].copy_(t)  # noqa: E731 (IVON's master copy)
-        else:
-            metrics, write_back = self.vp2o.transform_grads(), None
-        prev = self.vp2o.snapshot()
-        self._optimizer_step()
-        return {**metrics, **self.vp2o.after_step(prev, write_back=write_back)}
 
     def _updates(self, batch: TrainBatch, keep: torch.Tensor) -> list[list[tuple[int | None, torch.Tensor]]]:
         """The step's optimizer updates: `ppo_epochs` passes over the kept groups, each split into
@@ -190,17 +155,11 @@ class Learner:
         for _ in range(a.ppo_epochs):
             for share in shares:
                 rows = torch.cat([torch.arange(g * size, (g + 1) * size) for g in share.tolist()])
-                points = gradient_points(a.exploration, variational=self.optim_cfg.name == "ivon",
+                points = gradient_points(a.exploration, variational=self.optimizer.variational,
                                          base_seed=a.seed, step=self.step_count, update=len(updates),
                                          slots=slots[rows].tolist())
                 updates.append([(seed, rows[torch.tensor(at)]) for seed, at in points])
         return updates
-
-    def _at(self, seed: int | None, train: bool = True, scale: float = 1.0):
-        """Context placing the model at θ̂ = m + c · σ ⊙ z(seed), c = `scale` (IVON; c ≠ 1 only to
-        rebuild a scaled slot, never to train) or leaving it as it is (AdamW)."""
-        ivon = self.optim_cfg.name == "ivon"
-        return self.ranks.sampled(self.opt, self.named, seed, train, scale) if ivon else contextlib.nullcontext()
 
     def _start_logprobs(self, batch: TrainBatch, updates: list, measured: torch.Tensor) -> tuple[StartLogprobs, Pending]:
         """Token log-probs at the start of the step (no grad), for every point that needs them before
@@ -210,15 +169,15 @@ class Learner:
         forward (stored by `step`). Points are (seed, c); gradient points have c = 1. Points only the
         drift diagnostic needs are computed beside the update when the learner can (`BesideProcess`,
         once it has loaded its model): they are in `start` once the returned `Pending` is joined."""
-        lampo, for_updates, for_drift = self.algo.advantage == "lampo", {}, {}
+        prox_first, for_updates, for_drift = self.estimator.needs_prox, {}, {}
         points = list(zip(batch.slot_seeds, batch.slot_scales))
         for r in measured.tolist():
             for_drift.setdefault(points[r], set()).add(r)
         for u, points in enumerate(updates):
             for seed, rows in points:
-                if u or lampo:
+                if u or prox_first:
                     for_updates.setdefault((seed, 1.0), set()).update(rows.tolist())
-        for seed, rows in ([] if lampo or not updates else updates[0]):
+        for seed, rows in ([] if prox_first or not updates else updates[0]):
             for need in (for_updates, for_drift):
                 need.get((seed, 1.0), set()).difference_update(rows.tolist())
         beside = self.beside is not None and self.beside.is_ready()
@@ -227,11 +186,11 @@ class Learner:
             for_updates.setdefault(point, set()).update(for_drift[point])
         start, size = StartLogprobs(batch.mask.shape, batch.mask.device), batch.rewards.shape[1]
         need = {point: torch.tensor(sorted(rows)) for point, rows in for_updates.items() if rows}
-        pending = (self.beside.start(batch, aside, self.opt.mean_by_name(), self.opt.sigma_by_name(),
+        pending = (self.beside.start(batch, aside, *self.optimizer.posterior(),
                                      lambda rows: self._run(batch, rows)) if aside else Pending())
         for (seed, scale), rows in need.items():
             idx = self.ranks.mine(rows, size)  # every rank takes part in each point's collectives
-            with torch.no_grad(), self._at(seed, train=False, scale=scale):
+            with torch.no_grad(), self.optimizer.at(seed, train=False, scale=scale):
                 logp = self._logprobs(batch, idx)
             start.put(seed, idx, logp, scale)
         self.ranks.share_logprobs(start, list(need.items()))
@@ -246,7 +205,7 @@ class Learner:
         counter moves: one sample per step); none on an IVON step with updates that the budget
         publishes with no drift at all (staleness): the measurement could not change the decision
         and would cost a forward at a slot's weights (AdamW's is update 0's own forward, free)."""
-        if updates and self.optim_cfg.name == "ivon" and self._sync_decision(*_NO_DRIFT, self.steps_since_sync + 1).publish:
+        if updates and self.optimizer.variational and self._sync_decision(*_NO_DRIFT, self.steps_since_sync + 1).publish:
             return torch.zeros(0, dtype=torch.long)
         return drift_sample(list(zip(batch.slot_seeds, batch.slot_scales)), self.sync.drift_rows,
                             step=self.step_count, seed=self.algo.seed)
@@ -278,20 +237,19 @@ class Learner:
         if len(parts) == 1:
             return self._micro_backward(batch, rows, advantages, logp_prox, None)
         mask = batch.mask[rows]
-        if self.algo.is_correction in ("seq_mis", "token_mis"):  # the mask needs π_prox before the first loss
+        if self.loss.masks_tokens:  # the mask needs π_prox before the first loss
             if logp_prox is None:
                 with torch.no_grad():
                     logp_prox = torch.cat([self._logprobs(batch, part) for part in parts])
-            mask = off_policy.correction_weights(self.algo.is_correction, logp_prox, batch.logp_behav[rows], mask,
-                                                 cap=self.algo.is_cap)[1]
+            mask = self.loss.correction(logp_prox, batch.logp_behav[rows], mask)[1]
         agg = self.ranks.denominators(mask) or denominators(mask)
         return over_micro_batches(parts, batch.mask, advantages, logp_prox,
                                   lambda part, adv, prox: self._micro_backward(batch, part, adv, prox, agg))
 
     def _micro(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
-        """`rows` in micro-batches (services/learner_memory.py); KL-Cov's and VP2O's terms are over all of them."""
+        """`rows` in micro-batches (services/learner/memory.py); KL-Cov's and VP2O's terms are over all of them."""
         per = bytes_per_position(self.model, batch.input_ids.shape[1], self.checkpointing)
-        return [rows] if self.algo.loss == "kl_cov" or self.vp2o else micro_batches(
+        return [rows] if self.loss.whole_batch or self.around.whole_update else micro_batches(
             rows, self._run(batch, rows), batch.mask[rows], self.budget, per)
 
     def _micro_backward(self, batch: TrainBatch, rows: torch.Tensor, advantages: torch.Tensor,
@@ -300,12 +258,12 @@ class Learner:
         (None: these rows are the whole update, the ranks' collective gives them)."""
         a = self.algo
         mask = batch.mask[rows]
-        with self.vp2o.capture(batch.attn[rows]) if self.vp2o else contextlib.nullcontext():
+        with self.around.capture(batch.attn[rows]):
             logp, entropy = row_token_stats(self.model, batch.input_ids[rows], batch.attn[rows], mask,
                                             batch.targets[rows], self._run(batch, rows), self.temperature,
                                             entropy=bool(a.entropy_coef), chunk_tokens=self.chunk)
         prox = logp.detach() if logp_prox is None else logp_prox
-        loss_tok, mask_eff, metrics = self._policy_loss(logp, prox, batch.logp_behav[rows], advantages, mask)
+        loss_tok, mask_eff, metrics = self.loss(logp, prox, batch.logp_behav[rows], advantages, mask)
         agg = dict(max_len=self.max_new_tokens, **(self.ranks.denominators(mask_eff) if agg is None else agg))
         loss = losses.aggregate_loss(loss_tok, mask_eff, a.loss_agg, **agg)
         if a.entropy_coef:
@@ -315,85 +273,34 @@ class Learner:
                 ref_logp = self._row_logprobs(self.ref_model, batch, rows)
             kl = losses.kl_penalty(logp, ref_logp, a.kl_estimator)
             loss = loss + a.kl_coef * losses.aggregate_loss(kl, mask_eff, a.loss_agg, **agg)
-        spec_loss, extra = self.vp2o.extra_loss() if self.vp2o else (0.0, {})
+        spec_loss, extra = self.around.extra_loss()
         loss = loss + spec_loss
-        self.engine.backward(loss) if self.engine else loss.backward()
+        self.optimizer.backward(loss)
         return {"loss": float(loss.detach()), **extra, **{k: float(v) for k, v in metrics.items()}}, logp.detach()
 
-    def _policy_loss(self, logp, prox, behav, advantages, mask):
-        """Per-token policy loss of `algo.loss` (behaviour correction included), the mask to
-        aggregate it with, and its metrics (algorithms/losses.py)."""
-        a = self.algo
-        clip = dict(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip_c=a.dual_clip_c or None)
-        if a.loss == "decoupled_ppo":  # aggregated over the original mask, as AReaL does
-            loss_tok, metrics = losses.decoupled_ppo_loss(logp, prox, behav, advantages, mask,
-                                                          behav_imp_weight_cap=a.is_cap, **clip)
-            return loss_tok, mask, metrics
-        weights, mask_eff = off_policy.correction_weights(a.is_correction, prox, behav, mask, cap=a.is_cap)
-        if a.loss == "kl_cov":
-            loss_tok, metrics = losses.kl_cov_loss(logp, prox, advantages, mask_eff, kl_cov_ratio=a.kl_cov_ratio,
-                                                   ppo_kl_coef=a.kl_cov_coef)
-        else:
-            loss_tok, metrics = losses.clipped_surrogate(logp, prox, advantages, mask_eff, **clip)
-        metrics["is_weight_mean"] = (weights.sum(1) / mask.sum(1).clamp(min=1)).mean()
-        return loss_tok * weights, mask_eff, metrics
-
-    def _sigma_metrics(self) -> dict[str, float]:
-        if self.optim_cfg.name != "ivon":
-            return {}
-        # a 4k-point strided sample is plenty for logged percentiles (p1: the ~41st smallest) and costs
-        # ~0.5 ms, not ~25 ms per step for all of σ (16k points: ~1.3 ms)
-        parts = self.ranks.gather_objects(self.opt.sigma_points(max_points=(1 << 12) // self.ranks.world))
-        summary = self.opt.sigma_summary(torch.cat([p for p, _ in parts]), max(top for _, top in parts))
-        return {f"sigma_{k}": float(v) for k, v in summary.items()}
-
     # ---- publishing and checkpoints -----------------------------------------------------------
-    def published(self, reason: str = "") -> PublishedVersion:
-        """The current mean and σ as fp32 numpy (what the posterior server stores as its next
-        version) with the mean's exact checksum, which every engine checks on receipt; `reason`
+    def published(self, reason: str = "") -> PublishedVersion | None:
+        """The current mean and σ (AdamW: None) as fp32 numpy (what the posterior server stores as its
+        next version) with the mean's exact checksum, which every engine checks on receipt; `reason`
         records why it is published (start, kl, ess, staleness). Among R ranks rank 0 returns it,
-        m and σ gathered from their owners; the other ranks return None."""
-        if self.optim_cfg.name == "ivon":
-            parts = self.ranks.gather_first([self.opt.mean_by_name(), self.opt.sigma_by_name()], self.named)
-            if parts is None:
-                return None
-            mean = {n: t.cpu().numpy().copy() for n, t in parts[0].items()}  # m is live state: a copy
-            sigma = {n: t.cpu().numpy() for n, t in parts[1].items()}  # σ is made afresh when h changes
-        else:
-            with self.whole_parameters():
-                mean = {n: p.detach().float().cpu().numpy().copy() for n, p in self.named}
-            if not self.ranks.first:
-                return None
-            sigma = None
+        gathered from the owners; the other ranks return None."""
+        parts = self.optimizer.published()
+        if parts is None:
+            return None
+        mean, sigma = parts
         checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
         return PublishedVersion(learner_step=self.step_count, reason=reason, mean=mean, sigma=sigma,
                                 mean_checksum=checksum)
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """Tensors and metadata of everything needed to continue exactly (services/learner_checkpoint.py)."""
-        from threepo.services.learner_checkpoint import learner_state
-
-        return learner_state(self)
+        """Tensors and metadata of everything needed to continue exactly, asked of each part: the step
+        counters, the optimizer's state (this rank's) and VP2O's (services/learner/checkpoint.py writes them)."""
+        tensors, meta = self.optimizer.state()
+        meta = {"step": self.step_count, "steps_since_sync": self.steps_since_sync, **meta}
+        return {**tensors, **self.around.state()}, meta
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        from threepo.services.learner_checkpoint import load_learner_state
-
-        load_learner_state(self, tensors, meta)
-
-    def whole_parameters(self):
-        """A context in which every parameter is whole (DeepSpeed ZeRO-3 gathers them: a collective)."""
-        return self.engine.gathered([p for _, p in self.named]) if self.engine else contextlib.nullcontext()
-
-    def wants(self, key: str) -> bool:
-        """Whether checkpoint tensor `key` is this rank's to load (IVON: only the tensors it owns)."""
-        kind, _, name = key.partition("/")
-        return self.optim_cfg.name != "ivon" or kind not in ("mean", "hess", "momentum") or name in self.opt.state
-
-    def optimizer_state_bytes(self) -> int:
-        """Bytes of optimizer state held here: IVON's m, h and g_m of this rank's tensors; AdamW's moments
-        (DeepSpeed: and the fp32 master weights of this rank's partition)."""
-        if self.engine:
-            return self.engine.state_bytes()
-        return sum(t.numel() * t.element_size() for st in self.opt.state.values() for t in st.values()
-                   if torch.is_tensor(t))
-
+        """Put each part back into the state `state` described."""
+        self.step_count, self.steps_since_sync = meta["step"], meta["steps_since_sync"]
+        self.around.load_state(tensors)
+        self.optimizer.load_state({k: v for k, v in tensors.items() if not k.startswith("vp2o/")}, meta)

@@ -1,7 +1,7 @@
 """AdamW through a DeepSpeed engine (ZeRO stage 0-3) for the learner's model: `learner.deepspeed_stage`.
 
 The learner keeps its loss, its rows and its collectives for the loss denominators and start
-log-probs (services/learner_ranks.py); DeepSpeed takes over what ZeRO shards: the gradient
+log-probs (services/learner/ranks.py); DeepSpeed takes over what ZeRO shards: the gradient
 reduction (ZeRO-2 reduce-scatters into each rank's partition), gradient clipping, the AdamW step
 on the rank's partition of the fp32 master weights and moments (ZeRO-1/2), and at stage 3 the
 parameters themselves, gathered around each forward by DeepSpeed's hooks on the model. DeepSpeed
@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from threepo.services.learner_config import OptimConfig
+from threepo.services.learner.config import OptimConfig
 
 TAG = "deepspeed"
 

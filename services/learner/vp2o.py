@@ -51,7 +51,7 @@ from threepo.algorithms.moe import (
 )
 from threepo.algorithms.svgd import angular_kernel, attract_expert_grads, prototypes, repulsion_energy
 from threepo.algorithms.vp2o import prototype_drift_fn, shrink_to_anchor_budget
-from threepo.services.learner_config import VP2OConfig
+from threepo.services.learner.config import VP2OConfig
 
 
 _STATE_KEYS = ("f_hat", "c_hat", "v", "anchor", "anchor_v")

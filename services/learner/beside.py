@@ -1,7 +1,7 @@
 """A process beside the learner for the start-of-step forwards that only the drift diagnostic needs.
 
 On a CPU box the learner's update takes one core. The drift diagnostic's no-grad forward at a slot
-(services/proximal.py) would take the learner's own time inline; in a thread it would share the
+(services/learner/proximal.py) would take the learner's own time inline; in a thread it would share the
 interpreter lock and the core with the update (measured: no faster than inline). `BesideProcess` runs
 it in a Python process of its own, on the core the sampler engine leaves idle:
 - the process loads its own copy of the model from the learner's checkpoint;
@@ -71,7 +71,7 @@ class BesideProcess:
         self.means, self.sigmas = _views(flat[:total], self.names, shapes), _views(flat[total:], self.names, shapes)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "threepo.services.beside"], stdin=subprocess.PIPE,
+            self.proc = subprocess.Popen([sys.executable, "-m", "threepo.services.learner.beside"], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, env=env, pass_fds=(fd,))
         finally:
             os.close(fd)
