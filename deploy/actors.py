@@ -163,7 +163,7 @@ class VerifierActor:
     method into an async actor, whose methods leave the main thread (math-verify's SIGALRM needs it).
     `remote_sandbox` is built from `[verifier]` with the `token` the driver read from
     `verifier.auth_env`, and holds a permit of the cluster-wide limiter for each request.
-    `verify_batch` raises `VerifierOutage` (services/verifiers/base.py) when every sandbox endpoint
+    `score` raises `VerifierOutage` (services/verifiers/base.py) when every sandbox endpoint
     is down past `verifier.outage_s`."""
 
     def __init__(self, cfg: VerifierConfig, token: str = "") -> None:
@@ -180,9 +180,6 @@ class VerifierActor:
         self.pool = VerifierPool(cfg.pool_config(token), factories={"remote_sandbox": remote_sandbox},
                                  metrics=RayMetrics())
 
-    def verify_batch(self, requests: list) -> list:
-        return self.pool.verify_batch(requests)
-
     def score(self, batch) -> object:
         """The ScoreBatch of a CompletionBatch (resolved here from the sampler's object)."""
         import time
@@ -192,9 +189,6 @@ class VerifierActor:
         started = time.perf_counter()
         results = self.pool.verify_batch(verify_requests(batch))
         return score_batch(results, time.perf_counter() - started)
-
-    def stats(self) -> dict:
-        return self.pool.stats()
 
     def peak_memory(self) -> int:
         return peak_rss()

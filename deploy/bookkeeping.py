@@ -1,6 +1,6 @@
-"""The driver's bookkeeping, without Ray: the prompt stream, admission under the staleness bound,
-routing to samplers, group assembly, re-issue and delivery accounting — `Ledger`, owned by the
-driver and unit-tested directly (tests/services/test_bookkeeping.py).
+"""The driver's bookkeeping, without Ray: admission under the staleness bound from the prompt stream
+(deploy/stream.py), routing to samplers, group assembly, re-issue, delivery accounting and version
+lifetime — `Ledger`, owned by the driver and unit-tested directly (tests/services/test_bookkeeping.py).
 
 The rules it enforces:
 - admission (staleness bound): prompt number `i` (0-based, admission order) will be consumed by
@@ -32,13 +32,18 @@ The rules it enforces:
 The ledger holds ids, counts and (batch key, row) positions only — never completions: batches stay
 in the object store under keys the driver maps to references, and the ledger says when a batch is
 no longer needed by any group (`take` returns the keys to drop).
+
+Version lifetime has this one owner: the ledger keeps the plan of every version a group in flight
+still names, holds one reference on the posterior server to the version it admits at (taken when the
+version is published, `adopt` says which to release), counts the references its admissions take and
+its steps release (`take` returns them per version), and says which versions' weights the driver
+must keep a reference to (`live_versions`). The driver only mirrors its answers on the server.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-import random
 from collections import Counter, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +51,7 @@ from dataclasses import dataclass, field
 from threepo.services.batching import INFRA
 from threepo.services.messages import (STATUSES, GenerateReport, GroupRows, RolloutRequest, ScoreBatch, TaskItem,
                                        VerifyStatus)
+from threepo.deploy.stream import PromptStream, RangeSet
 from threepo.services.posterior import VersionPlan
 
 
@@ -58,48 +64,6 @@ def admission_open(*, mode: str, admitted_prompts: int, learner_steps: int, lear
     if mode == "sync":
         return step_of_next == learner_steps and not learner_busy
     return step_of_next <= learner_steps + max_offpolicy
-
-
-class PromptStream:
-    """Item `i` of an endless, reproducible stream: epochs of `items` in a seeded shuffled order."""
-
-    def __init__(self, items: list[TaskItem], seed: int) -> None:
-        if not items:
-            raise ValueError("the prompt stream is empty: check data.path or the task settings")
-        self.items, self.seed, self._orders = items, seed, {}
-
-    def __getitem__(self, i: int) -> TaskItem:
-        epoch, pos = divmod(i, len(self.items))
-        if epoch not in self._orders:
-            order = list(range(len(self.items)))
-            random.Random(f"{self.seed}/{epoch}").shuffle(order)
-            self._orders = {epoch: order}  # keep one epoch: the stream only moves forward
-        return self.items[self._orders[epoch][pos]]
-
-
-class RangeSet:
-    """A set of non-negative integers kept as sorted, disjoint [start, end) ranges."""
-
-    def __init__(self, ranges: Sequence[Sequence[int]] = ()) -> None:
-        self.ranges: list[list[int]] = []
-        for start, end in ranges:
-            for i in range(start, end):
-                self.add(i)
-
-    def add(self, i: int) -> None:
-        if i in self:
-            raise ValueError(f"{i} is already in the set")
-        at = next((k for k, (a, _) in enumerate(self.ranges) if a > i), len(self.ranges))
-        self.ranges.insert(at, [i, i + 1])
-        for k in (at, at - 1):  # merge with the right neighbour, then the left one
-            if 0 <= k < len(self.ranges) - 1 and self.ranges[k][1] == self.ranges[k + 1][0]:
-                self.ranges[k][1] = self.ranges.pop(k + 1)[1]
-
-    def __contains__(self, i: int) -> bool:
-        return any(a <= i < b for a, b in self.ranges)
-
-    def __len__(self) -> int:
-        return sum(b - a for a, b in self.ranges)
 
 
 _OK = STATUSES.index(VerifyStatus.OK)
@@ -205,6 +169,7 @@ class Ledger:
         self.consumed_rounds: set = set()  # (prompt index, round ≥ 1) all of whose groups were consumed
         self.version: int | None = None
         self.versions: dict[int, VersionPlan] = {}
+        self.held: int | None = None  # the version whose posterior hold this ledger keeps (adopt)
         self.groups: dict[str, _Group] = {}
         self.requests: dict[str, RolloutRequest] = {}  # in flight
         self.reissues: Counter = Counter()
@@ -223,6 +188,23 @@ class Ledger:
         self.version = info.version
         live = {g.version for g in self.groups.values()} | {info.version}
         self.versions = {v: i for v, i in self.versions.items() if v in live}
+
+    def adopt(self, info: VersionPlan) -> list[int]:
+        """Take in a version the posterior server published with a hold for this ledger (the one
+        owner of version lifetime: the driver mirrors its answers on the server). The ledger holds the
+        version it admits at until it adopts a newer one, since admissions sent before then still
+        name it; a version overtaken by a newer adopted one is not adopted. Returns the versions
+        whose hold to release."""
+        if self.held is not None and info.version < self.held:
+            return [info.version]
+        release = [self.held] if self.held is not None and self.held != info.version else []
+        self.held = info.version
+        self.publish(info)
+        return release
+
+    def live_versions(self) -> set[int]:
+        """Versions whose weights a request in flight or the next admission may still need."""
+        return {r.policy_version for r in self.requests.values()} | {self.version}
 
     @property
     def plan(self):
@@ -386,6 +368,10 @@ class Ledger:
         else:
             self.counts.verifier_failures += 1
         return self._reissue([r for r in requests if r.request_id in self.requests])
+
+    def verifier_failed(self) -> None:
+        """A verifier died on a batch the driver sends to another one (its requests stay in flight)."""
+        self.counts.verifier_failures += 1
 
     def _reissue(self, requests: list[RolloutRequest]) -> list[RolloutRequest]:
         for r in requests:

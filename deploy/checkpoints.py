@@ -6,8 +6,9 @@ temporary directory, rename, pointer file `latest` last) holds the learner's tra
 rollouts.json: the length of rollouts.log), written by the learner actor itself; the posterior
 server's published versions with their plans and checksums (posterior.safetensors/.json), written
 by the posterior actor itself; and the driver's ledger (driver.json: data cursor, consumed prompts
-as ranges, what to admit again, delivery counts; the length of metrics.jsonl), the RNG states and
-the resolved config, written by the driver. Nothing large passes through the driver.
+as ranges, what to admit again, delivery counts; the length of metrics.jsonl) and the resolved
+config, written by the driver (which draws from no global RNG: its sampling seeds are hashed from
+ids). Nothing large passes through the driver.
 
 The roles' saves are queued on their actors right after the step (each actor runs its calls in
 order, so they save exactly the state after that step) and the driver keeps going; the checkpoint

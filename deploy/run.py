@@ -13,9 +13,10 @@ completes. The synchronous mode is the same loop with the admission rule that wa
 Completions never pass through the driver: a sampler's `CompletionBatch` goes from the object store
 to a verifier and to the learner; the driver reads the small `GenerateReport` and `ScoreBatch` and
 keeps ids, counts and row positions in its `Ledger` (deploy/bookkeeping.py, a plain class with its
-own tests). The loop's own waiting (which role's result arrives next) is here; the roles' start-up and
-calls that complete before the loop goes on live in deploy/actors.py, learner_group.py, limiter.py
-and checkpoints.py.
+own tests). The loop's own waiting is here: every reference it waits on maps to a typed event (`Scored`,
+`Learned`, `Published`, `Evaluated`, `Saved`, `Joined`), handled in one `match`. The roles' start-up
+and calls that complete before the loop goes on live in deploy/actors.py, learner_actor.py,
+learner_group.py, limiter.py and checkpoints.py; version lifetime is the ledger's (`Ledger.adopt`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import ray
 
 from threepo.deploy import checkpoints
 from threepo.deploy.actors import Roles, init_ray, role_memory, start_roles, start_stateful, stop_roles
-from threepo.deploy.bookkeeping import Ledger, PersistentFailure, PromptStream, Readmission
+from threepo.deploy.bookkeeping import Ledger, PersistentFailure, Readmission
+from threepo.deploy.stream import PromptStream
 from threepo.deploy.config import RunConfig
 from threepo.deploy.cores import CorePlacement
 from threepo.deploy.metrics import RestartCounter
@@ -60,6 +62,47 @@ class Call:
     verifier_attempts: int = 1
 
 
+@dataclass(frozen=True)
+class Joined:
+    """A started or restarting sampler's probe answered (or failed)."""
+
+    sampler: int
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A sampler call's batch was scored by a verifier."""
+
+    call: Call
+
+
+@dataclass(frozen=True)
+class Learned:
+    """A learner step finished (`on_learned` takes the results in step order)."""
+
+
+@dataclass(frozen=True)
+class Published:
+    """The posterior server stored a version; `weights`: the learner's published object."""
+
+    weights: object
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """A held-out evaluation after learner step `step` finished."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A role finished writing its part of a checkpoint."""
+
+
+Event = Joined | Scored | Learned | Published | Evaluated | Saved
+
+
 @dataclass
 class Loop:
     """What the driver tracks between iterations (its one owner)."""
@@ -68,7 +111,7 @@ class Loop:
     roles: Roles
     ledger: Ledger
     log: RunLog
-    inflight: dict = field(default_factory=dict)   # ref -> (kind, payload)
+    inflight: dict = field(default_factory=dict)   # ref -> the Event its result is
     batches: dict = field(default_factory=dict)    # batch key -> (batch ref, score ref), while a group needs it
     weights: dict = field(default_factory=dict)    # version -> ref of its (mean, σ, checksum)
     learning: list = field(default_factory=list)   # (step, result ref, version ref) in flight, oldest first
@@ -82,7 +125,6 @@ class Loop:
     joining: set = field(default_factory=set)       # samplers started or restarting, not answering yet
     restarting: dict = field(default_factory=dict)  # fixed pool: sampler -> when it was first seen restarting
     backlog: list = field(default_factory=list)     # requests waiting for a sampler to exist
-    held: int | None = None                         # the version whose reference the driver holds (adopt)
     pool_checked: float = 0.0
 
 
@@ -129,7 +171,7 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, resume_from: str | None = No
     s = Loop(cfg, roles, ledger, RunLog(run_dir, f"train {cfg.algo.exploration}", rt.steps, ledger.step))
     if resume_from:
         current = call(s.roles.posterior.current_version.remote())
-        s.roles.posterior.acquire.remote(current)  # the driver's hold (see adopt)
+        s.roles.posterior.acquire.remote(current)  # the ledger's hold (Ledger.adopt)
         adopt(s, call(s.roles.posterior.version_plan.remote(current)))
     else:
         first = s.roles.learner.published.remote("start")
@@ -147,11 +189,8 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, resume_from: str | None = No
                 learn(s)
             # 3. wait for whatever finishes next and route it on
             elastic = not rt.num_samplers
-            if elastic and time.monotonic() - s.pool_checked >= rt.pool_check_s:
-                grow_pool(s)
-            if not s.inflight and elastic:  # no sampler capacity in the cluster yet: wait for a node
-                time.sleep(rt.pool_check_s)
-                continue
+            if elastic and not poll_pool(s):
+                continue  # no sampler capacity in the cluster yet: waited for a node
             if not s.inflight:
                 raise RuntimeError(f"driver stalled at step {ledger.step}: nothing in flight, "
                                    f"{ledger.ready()} groups ready of {ledger.groups_per_step()} needed")
@@ -159,19 +198,19 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, resume_from: str | None = No
             if not done:
                 continue
             done = done[0]
-            kind, payload = s.inflight.pop(done)
-            if kind == "joined":
-                joined(s, done, payload)
-            elif kind == "scored":
-                on_scored(s, done, payload)
-            elif kind == "learned":
-                on_learned(s, done, run_dir)
-            elif kind == "published":
-                adopt(s, call(done), payload)
-            elif kind == "evaluated":
-                s.log.heldout(payload, *ray.get(done))
-            else:
-                on_saved(s, done, run_dir)
+            match s.inflight.pop(done):
+                case Joined(sampler):
+                    joined(s, done, sampler)
+                case Scored(c):
+                    on_scored(s, done, c)
+                case Learned():
+                    on_learned(s, done, run_dir)
+                case Published(weights):
+                    adopt(s, call(done), weights)
+                case Evaluated(step):
+                    s.log.heldout(step, *ray.get(done))
+                case Saved():
+                    on_saved(s, done, run_dir)
         finish_checkpoint(s, run_dir)
     except (PersistentFailure, VerifierOutage) as err:
         stop_checkpoint(s, run_dir)
@@ -193,13 +232,25 @@ def dispatch(s: Loop, requests: list) -> None:
     for sampler, chunk in s.ledger.route(requests, live):
         weights = s.weights[chunk[0].policy_version]
         report, batch = s.roles.samplers[sampler].generate.remote(chunk, [weights])
-        s.inflight[verifier(s).score.remote(batch)] = ("scored", Call(sampler, chunk, report, batch))
+        s.inflight[verifier(s).score.remote(batch)] = Scored(Call(sampler, chunk, report, batch))
+
+
+def poll_pool(s: Loop) -> bool:
+    """Elastic pool, once per `runtime.pool_check_s`: start a sampler for every unit of sampler
+    capacity the cluster offers beyond the live ones; it joins the routing once it answers (and
+    loads the current version with its first request). With nothing in flight (no sampler capacity
+    yet) it waits one period for a node and returns False: the loop goes round again."""
+    rt = s.cfg.runtime
+    if time.monotonic() - s.pool_checked >= rt.pool_check_s:
+        grow_pool(s)
+    if not s.inflight:
+        time.sleep(rt.pool_check_s)
+        return False
+    return True
 
 
 def grow_pool(s: Loop) -> None:
-    """Elastic pool: start a sampler for every unit of sampler capacity the cluster offers beyond
-    the live ones; it joins the routing once it answers (and loads the current version with its
-    first request)."""
+    """Start a sampler for every unit of sampler capacity the cluster offers beyond the live ones."""
     from threepo.deploy.actors import start_sampler
 
     rt = s.cfg.runtime
@@ -210,7 +261,7 @@ def grow_pool(s: Loop) -> None:
         handle = start_sampler(s.cfg, s.roles.policy_path, s.roles.run_dir, index)
         s.roles.samplers.append(handle)
         s.joining.add(index)
-        s.inflight[handle.stats.remote()] = ("joined", index)
+        s.inflight[handle.stats.remote()] = Joined(index)
 
 
 def joined(s: Loop, done, index: int) -> None:
@@ -241,7 +292,7 @@ def rejoin(s: Loop, index: int) -> None:
     s.restarting.setdefault(index, time.monotonic())
     if index not in s.joining:
         s.joining.add(index)
-        s.inflight[s.roles.samplers[index].stats.remote()] = ("joined", index)
+        s.inflight[s.roles.samplers[index].stats.remote()] = Joined(index)
 
 
 def verifier(s: Loop):
@@ -263,11 +314,11 @@ def on_scored(s: Loop, done, c: Call) -> None:
     try:
         scores = ray.get(done)
     except _DEAD:  # the verifier died: score the same batch again, elsewhere (bounded)
-        s.ledger.counts.verifier_failures += 1
+        s.ledger.verifier_failed()
         c.verifier_attempts += 1
         if c.verifier_attempts > s.cfg.runtime.max_reissues:
             raise PersistentFailure(f"verifiers died {c.verifier_attempts - 1} times on one batch") from None
-        s.inflight[verifier(s).score.remote(c.batch)] = ("scored", c)
+        s.inflight[verifier(s).score.remote(c.batch)] = Scored(c)
         return
     s.restarts.observe("sampler", c.sampler, report.incarnation)
     key, s.next_key = s.next_key, s.next_key + 1
@@ -306,7 +357,7 @@ def learn(s: Loop) -> None:
     groups, keys, drop, versions = s.ledger.take()
     batch_refs, score_refs = zip(*(s.batches[k] for k in keys))
     result, version = s.roles.learner.step.remote(groups, len(keys), *batch_refs, *score_refs)
-    s.inflight[result] = ("learned", None)
+    s.inflight[result] = Learned()
     s.learning.append((s.ledger.step, result, version))
     for k in drop:  # the step's task holds its own references from here on
         del s.batches[k]
@@ -337,9 +388,9 @@ def learned(s: Loop, step: int, result, version, run_dir: str) -> None:
     if not s.learning:
         s.idle_since = time.monotonic()
     if result.publish:
-        s.inflight[s.roles.posterior.publish.remote(version, True)] = ("published", version)
+        s.inflight[s.roles.posterior.publish.remote(version, True)] = Published(version)
     if evaluates_after(s, result.step):
-        s.inflight[s.roles.evaluator.evaluate.remote(learner.published.remote("eval"))] = ("evaluated", result.step)
+        s.inflight[s.roles.evaluator.evaluate.remote(learner.published.remote("eval"))] = Evaluated(result.step)
     row = {"step": result.step, "time_s": round(s.log.elapsed(), 3), "version": s.ledger.version,
            **result.metrics, **s.window.figures(result.metrics["step_time_s"]), **delivery_figures(s),
            "sync_event": result.publish, "sync_reason": result.publish_reason, "learner_queued": len(s.learning)}
@@ -349,7 +400,7 @@ def learned(s: Loop, step: int, result, version, run_dir: str) -> None:
     s.log.step(row)
     if checkpoints_after(s, result.step) and not s.pending:
         s.pending = checkpoints.begin(s.roles, s.ledger, run_dir, s.log.offset())
-        s.inflight.update({ref: ("saved", None) for ref in s.pending.waiting})
+        s.inflight.update({ref: Saved() for ref in s.pending.waiting})
 
 
 def on_saved(s: Loop, done, run_dir: str) -> None:
@@ -366,11 +417,12 @@ def finish_checkpoint(s: Loop, run_dir: str) -> None:
     for ref in list(s.pending.waiting) if s.pending else ():
         on_saved(s, ref, run_dir)
         s.inflight.pop(ref, None)
-    for ref, (kind, payload) in list(s.inflight.items()):
-        if kind == "evaluated":  # the last evaluations belong in the record
-            s.log.heldout(payload, *ray.get(ref))
-        elif kind == "published":  # and the last version in the summary
-            adopt(s, call(ref), payload)
+    for ref, event in list(s.inflight.items()):
+        match event:
+            case Evaluated(step):  # the last evaluations belong in the record
+                s.log.heldout(step, *ray.get(ref))
+            case Published(weights):  # and the last version in the summary
+                adopt(s, call(ref), weights)
     s.pending = checkpoints.begin(s.roles, s.ledger, run_dir, s.log.offset())
     for ref in list(s.pending.waiting):
         on_saved(s, ref, run_dir)
@@ -385,22 +437,19 @@ def stop_checkpoint(s: Loop, run_dir: str) -> None:
 
 
 def adopt(s: Loop, published, weights=None) -> None:
-    """A new version (VersionPlan from the posterior server): later admissions use its plan; the
-    samplers fetch its weights by reference when they first serve it — the learner's own published
-    object (`weights`, whose arrays the posterior server keeps too: one copy), or after a restore the
-    server's. The driver holds one reference to the version it admits at (taken when it is
-    published, with `hold`), and lets go of the previous one only now: admissions sent before this
-    moment still name it, and a version published meanwhile would otherwise drop it."""
-    if s.held is not None and published.version < s.held:  # overtaken by a newer one: not adopted
-        s.roles.posterior.release.remote(published.version)
-        return
-    if s.held is not None and s.held != published.version:
-        s.roles.posterior.release.remote(s.held)
-    s.held = published.version
-    s.ledger.publish(published)
+    """A new version (VersionPlan from the posterior server, published with a hold): the ledger,
+    the one owner of version lifetime, adopts it or not and says which holds to release; the driver
+    releases them on the server and keeps a weights reference for each version the ledger says is
+    live. Samplers fetch a version's weights by reference when they first serve it — the learner's
+    own published object (`weights`, whose arrays the posterior server keeps too: one copy), or
+    after a restore the server's."""
+    for version in s.ledger.adopt(published):
+        s.roles.posterior.release.remote(version)
+    if s.ledger.version != published.version:
+        return  # overtaken by a newer one: not adopted
     s.weights[published.version] = weights if weights is not None else s.roles.posterior.weights.remote(
         published.version)
-    live = {r.policy_version for r in s.ledger.requests.values()} | {published.version}
+    live = s.ledger.live_versions()
     s.weights = {v: ref for v, ref in s.weights.items() if v in live}
 
 

@@ -109,7 +109,7 @@ class PosteriorServer:
     def publish(self, pv: PublishedVersion, hold: bool = False) -> VersionPlan:
         """Store `pv` as the next version (the current one + 1; the first is 0) and return its plan.
         The server numbers versions: it is their one owner. `hold`: the version starts with one
-        reference, its publisher's (the driver holds the version it admits at until it has taken
+        reference, its publisher's (the driver's ledger holds the version it admits at until it has taken
         in a newer one, so a version published meanwhile cannot drop it)."""
         version = self._current + 1
         mean = _frozen_fp32(pv.mean, f"version {version}: mean")

@@ -1,6 +1,8 @@
 """The sampler-engine protocol that every backend (hf, vllm, sglang) implements, and its config.
 
-An engine serves one policy at a time. It holds the published posterior mean m and σ of one version
+An engine serves one version at a time, and one policy per `generate` call (an engine with
+`slots_together`, hf on the lean decoder's families, also samples several slots of the version in one
+`generate_slots` call, each row under its own slot). It holds the published posterior mean m and σ of one version
 (one transfer per version, whatever the number of slots) and, for a slot, serves
 θ̂ = m + c · σ ⊙ z(seed) (c the slot's σ multiplier, 1 unless scaled) with z regenerated where the engine's weights live, from (seed, parameter
 name) in fp32 (`algorithms.param_noise`); it serves the clean mean again by rebuilding it from m
@@ -145,7 +147,7 @@ class WeightsMismatch(RuntimeError):
 
 
 class Engine(Protocol):
-    """One inference engine serving one (perturbed) policy at a time."""
+    """One inference engine serving one version: one (perturbed) policy per `generate` call."""
 
     def load_version(self, version: int, mean: Mapping[str, np.ndarray],
                      sigma: Mapping[str, np.ndarray] | None, mean_checksum: str) -> None:

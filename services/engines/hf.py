@@ -29,7 +29,8 @@ from threepo.services.modeling import load_model, load_tokenizer, trainable_name
 
 
 class HFEngine:
-    """Serves one policy of a local HF checkpoint on the CPU or one CUDA device (`sampler.device`)."""
+    """Serves a local HF checkpoint's versions on the CPU or one CUDA device (`sampler.device`): one
+    policy per `generate`, several slots per `generate_slots` where `slots_together`."""
 
     def __init__(self, model_path: str, cfg: SamplerConfig, *, engine_id: int = 0, dtype: str = "float32"):
         torch.set_num_threads(cfg.threads)

@@ -14,7 +14,8 @@ Checkpoints: DeepSpeed's own per-rank files (`deepspeed/` in the checkpoint dire
 with the same number of ranks; rank 0 also writes the whole weights as `param/<name>` (what one
 learner without DeepSpeed loads: the model, with fresh AdamW moments).
 
-IVON never goes through here (learner_config.LearnerConfig.deepspeed_stage says why).
+IVON never goes through here (services/learner/config.py `LearnerConfig.deepspeed_stage` says why);
+services/learner/optimizers.py `ZeroAdamW` is the optimizer object the learner holds around it.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def test_learner_results_are_taken_in_step_order_whatever_order_ray_reports(monk
     seen = []
     monkeypatch.setattr(run, "call", lambda ref: f"result of {ref}")
     monkeypatch.setattr(run, "learned", lambda s, step, result, version, run_dir: seen.append((step, result, version)))
-    s = SimpleNamespace(learning=[(7, "r7", "v7"), (8, "r8", None)], inflight={"r7": ("learned", None)})
+    s = SimpleNamespace(learning=[(7, "r7", "v7"), (8, "r8", None)], inflight={"r7": run.Learned()})
     run.on_learned(s, "r8", "run-dir")  # ray.wait reported the queued step 8 first
     assert seen == [(7, "result of r7", "v7"), (8, "result of r8", None)]
     assert s.learning == [] and s.inflight == {}
@@ -121,7 +121,7 @@ def test_a_restarting_sampler_is_routed_around_until_it_answers_again(monkeypatc
                         roles=SimpleNamespace(samplers=[Sampler()]), joining=set(), restarting={}, inflight={}, backlog=[])
     run.rejoin(s, 0)
     run.rejoin(s, 0)  # already waited for: one probe
-    assert s.joining == {0} and s.inflight == {"probe1": ("joined", 0)}
+    assert s.joining == {0} and s.inflight == {"probe1": run.Joined(0)}
     run.dispatch(s, ["request"])
     assert s.backlog == ["request"]  # no live sampler: the request waits, nothing is sent
 
@@ -130,7 +130,7 @@ def test_a_restarting_sampler_is_routed_around_until_it_answers_again(monkeypatc
 
     monkeypatch.setattr(ray, "get", still_restarting)
     run.joined(s, s.inflight.pop("probe1"), 0)
-    assert s.joining == {0} and s.inflight == {"probe2": ("joined", 0)} and s.backlog == ["request"]
+    assert s.joining == {0} and s.inflight == {"probe2": run.Joined(0)} and s.backlog == ["request"]
 
     routed = []
     monkeypatch.setattr(ray, "get", lambda ref: {})

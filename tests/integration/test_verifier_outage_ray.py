@@ -14,10 +14,18 @@ pytestmark = pytest.mark.ray
 def test_ray_get_raises_verifier_outage_and_the_actor_lives_on(ray_session):
     import ray
 
+    from types import SimpleNamespace
+
+    import numpy as np
+
     from threepo.deploy.actors import VerifierActor
-    from threepo.services.messages import TaskItem, VerifyRequest, VerifyStatus
+    from threepo.services.messages import STATUSES, TaskItem, VerifyStatus
     from threepo.services.verifier_pool import VerifierConfig
     from threepo.services.verifiers.base import VerifierOutage
+
+    def batch(item, text):  # the part of a CompletionBatch the verifier actor reads
+        return SimpleNamespace(requests=(SimpleNamespace(item=item),), row_request=np.array([0]), texts=(text,),
+                               finish_stop=np.array([True]))
 
     with socket.socket() as s:  # a port nobody listens on: every request is refused
         s.bind(("127.0.0.1", 0))
@@ -26,10 +34,10 @@ def test_ray_get_raises_verifier_outage_and_the_actor_lives_on(ray_session):
                          cooldown_s=0.2, backoff_base_s=0.05, backoff_max_s=0.2, cluster_concurrency=0)
     actor = ray.remote(VerifierActor).options(num_cpus=0, max_restarts=-1, max_task_retries=-1,
                                               max_concurrency=1).remote(cfg)
-    code = VerifyRequest(TaskItem(uid="c", prompt="", answer="84", verifier="code_output"), "\\boxed{print(12*7)}")
+    code = batch(TaskItem(uid="c", prompt="", answer="84", verifier="code_output"), "\\boxed{print(12*7)}")
     with pytest.raises(VerifierOutage, match="no sandbox endpoint answered"):
-        ray.get(actor.verify_batch.remote([code]), timeout=120)
-    math = VerifyRequest(TaskItem(uid="m", prompt="", answer="2"), "\\boxed{2}")
-    (result,) = ray.get(actor.verify_batch.remote([math]), timeout=120)  # same actor, not restarted
-    assert result.status is VerifyStatus.OK
+        ray.get(actor.score.remote(code), timeout=120)
+    math = batch(TaskItem(uid="m", prompt="", answer="2"), "\\boxed{2}")
+    scores = ray.get(actor.score.remote(math), timeout=120)  # same actor, not restarted
+    assert [STATUSES[int(c)] for c in scores.statuses] == [VerifyStatus.OK]
     ray.kill(actor)

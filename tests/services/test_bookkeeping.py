@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from threepo.algorithms.exploration import make_plan
-from threepo.deploy.bookkeeping import Ledger, PersistentFailure, PromptStream, RangeSet, Readmission, admission_open
+from threepo.deploy.bookkeeping import Ledger, PersistentFailure, Readmission, admission_open
+from threepo.deploy.stream import PromptStream, RangeSet
 from threepo.services.batching import INFRA, STATUSES
 from threepo.services.messages import GenerateReport, ScoreBatch, TaskItem, VerifyStatus
 from threepo.services.posterior import VersionPlan
@@ -277,3 +278,22 @@ def test_resume_keeps_rounds_queue_and_consumed_readmissions():
     restored.take()
     assert (0, 1) in restored.consumed_rounds and restored.counts.retried_dead == 1
     assert restored.counts.rescued_dead == 0 and list(restored.explore) == []  # dead again; readmit_max 1
+
+
+
+def test_the_ledger_owns_version_lifetime_holds_and_live_weights():
+    ledger = _ledger()
+
+    def version(v):
+        plan = make_plan("c3po", version=v, base_seed=1, group_size=4, n_slots=2, equal_compute=True)
+        return VersionPlan(plan, learner_step=v, mean_checksum=f"m{v}", reason="kl")
+
+    assert ledger.adopt(version(0)) == [] and ledger.held == 0  # adopting the current one: nothing to let go
+    requests = ledger.admit(learner_busy=False)
+    assert {r.policy_version for r in requests} == {0}
+    assert ledger.adopt(version(2)) == [0] and ledger.version == 2  # the previous hold goes once 2 is in
+    assert ledger.live_versions() == {0, 2}  # requests at 0 are in flight: its weights stay
+    assert ledger.adopt(version(1)) == [1] and ledger.version == 2 and ledger.held == 2  # overtaken: not adopted
+    for k, (_, reqs) in enumerate(ledger.route(requests, samplers=["a"])):
+        ledger.arrived(k, _report(reqs), _scores(reqs))
+    assert ledger.live_versions() == {2}  # nothing at 0 in flight any more
