@@ -90,9 +90,9 @@ REAL_C3PO = ("optim.ess=1e7", "optim.clip_radius=1e-5")  # C3PO's IVON on a 135M
 def ordered_items(cfg, count: int) -> list:
     """The first `count` prompts of threepo's prompt stream for `cfg` (its admission order)."""
     from threepo.deploy.stream import PromptStream
-    from threepo.deploy.run import train_items
+    from threepo.services.datasets import train_items
 
-    stream = PromptStream(train_items(cfg), cfg.seed)
+    stream = PromptStream(train_items(cfg.data, cfg.task), cfg.seed)
     return [stream[i] for i in range(count)]
 
 

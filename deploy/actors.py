@@ -202,9 +202,8 @@ class EvaluatorActor:
     def __init__(self, model_path: str, cfg: SamplerConfig, items: list, verifier: VerifierConfig,
                  prompt: PromptConfig, token: str = "") -> None:
         from threepo.services.evaluation import Evaluator
-        from threepo.services.verifier_pool import VerifierPool
 
-        self.evaluator = Evaluator(model_path, items, VerifierPool(verifier.pool_config(token)), prompt, cfg)
+        self.evaluator = Evaluator.serving(model_path, items, verifier, prompt, cfg, token=token)
         self.cfg = cfg
 
     def evaluate(self, pv) -> tuple[float, int]:

@@ -124,13 +124,12 @@ def evaluate_policy(cfg, path: str, *, label: str):
     from threepo.services.datasets import eval_items
     from threepo.services.engines.base import SamplerConfig
     from threepo.services.evaluation import Evaluator
-    from threepo.services.verifier_pool import VerifierPool
 
     items = eval_items(cfg.data, cfg.task, cfg.eval)
-    evaluator = Evaluator(path, items, VerifierPool(cfg.verifier.pool_config()), cfg.prompt,
-                          SamplerConfig(threads=cfg.bootstrap.threads, batch_size=cfg.eval.batch_size, seed=cfg.seed,
-                                        device=cfg.eval.device),
-                          dtype=cfg.model.dtype, seed=cfg.seed)
+    evaluator = Evaluator.serving(path, items, cfg.verifier, cfg.prompt,
+                                  SamplerConfig(threads=cfg.bootstrap.threads, batch_size=cfg.eval.batch_size,
+                                                seed=cfg.seed, device=cfg.eval.device),
+                                  dtype=cfg.model.dtype, seed=cfg.seed)  # the token from verifier.auth_env, here
     try:
         with tqdm(total=len(items), desc=label, unit="item") as bar:
             return evaluator.evaluate(samples_per_item=cfg.eval.samples_per_item, k=cfg.eval.k,

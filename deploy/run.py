@@ -36,6 +36,7 @@ from threepo.deploy.config import RunConfig
 from threepo.deploy.cores import CorePlacement
 from threepo.deploy.metrics import RestartCounter
 from threepo.deploy.outputs import RunLog, Window, record_driver_metrics, resume_metrics_file
+from threepo.services.datasets import train_items
 from threepo.services.verifiers.base import VerifierOutage
 
 _DEAD = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
@@ -158,7 +159,7 @@ def train(cfg: RunConfig, run_dir: str, policy_path: str, resume_from: str | Non
 def run(cfg: RunConfig, run_dir: str, roles: Roles, resume_from: str | None = None) -> dict:
     """The driver loop: `cfg.runtime.steps` learner steps; returns the summary (delivery counts)."""
     rt = cfg.runtime
-    ledger = Ledger(PromptStream(train_items(cfg), cfg.seed), prompts_per_step=rt.prompts_per_step,
+    ledger = Ledger(PromptStream(train_items(cfg.data, cfg.task), cfg.seed), prompts_per_step=rt.prompts_per_step,
                     max_offpolicy=rt.max_offpolicy, total_steps=rt.steps, mode=rt.mode,
                     max_reissues=rt.max_reissues, requests_per_call=rt.requests_per_call,
                     readmission=Readmission.of(cfg.algo))
@@ -484,9 +485,3 @@ def write_summary(s: Loop, run_dir: str, **extra) -> dict:
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
-
-
-def train_items(cfg: RunConfig) -> list:
-    from threepo.services.datasets import run_items
-
-    return run_items(cfg.data, cfg.task, "train", 10 ** 9 if cfg.data.path else 4096)  # a file: all of its train split

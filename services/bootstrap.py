@@ -231,13 +231,17 @@ def _sft_batch(tokenizer, task_cfg: TaskConfig, seed: int, batch_size: int):
 
 def heldout_pass1(model, tokenizer, task_cfg: TaskConfig, num_items: int) -> float:
     """One T=1 sample per held-out item, scored by the task's verifier."""
-    from threepo.services.evaluation import model_pass_at_1
+    from threepo.services.evaluation import Evaluator
     from threepo.services.tasks import generate_items, max_new_tokens_for
 
     items = generate_items(task_cfg.family, "heldout", num_items, seed=task_cfg.seed,
                            difficulty=task_cfg.difficulty)
     limit = max_new_tokens_for(task_cfg.family, task_cfg.difficulty)  # the limit training samples with
-    return model_pass_at_1(model, _prompts(tokenizer), items, temperature=1.0, max_new_tokens=limit)
+    evaluator = Evaluator.of_model(model, _prompts(tokenizer), items)
+    try:
+        return evaluator.evaluate(samples_per_item=1, k=1, temperature=1.0, max_new_tokens=limit).pass_at_1
+    finally:
+        evaluator.close()
 
 
 def _prompts(tokenizer):

@@ -309,6 +309,14 @@ def run_items(data: DataConfig, task, split: str, n: int) -> list[TaskItem]:
     return generate_items(task.family, split, n, seed=task.seed, difficulty=task.difficulty)
 
 
+SYNTHETIC_TRAIN_ITEMS = 4096  # a synthetic run's training prompts (the stream repeats them in epochs)
+
+
+def train_items(data: DataConfig, task) -> list[TaskItem]:
+    """The items a run trains on: all of the file's train split, or `SYNTHETIC_TRAIN_ITEMS` of the task."""
+    return run_items(data, task, "train", 10 ** 9 if data.path else SYNTHETIC_TRAIN_ITEMS)
+
+
 def eval_items(data: DataConfig, task, eval_cfg) -> list[TaskItem]:
     """The items a run evaluates on: the dataset's held-out items, or the synthetic task's
     `eval.split` (an `evaluation.EvalConfig`), the first `eval.num_items` of them."""

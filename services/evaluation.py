@@ -5,9 +5,10 @@ evaluations around and during `threepo train`, the bootstrap).
 the items' prompts, encoded by the model's `PromptEncoder` (services/prompting.py, as in training),
 and scores them through a `VerifierPool` (services/verifier_pool.py) as training does — the same
 verifiers, routes, concurrency and retries of infrastructure failures — so an evaluation scores
-exactly like training. Temperature 0 is greedy. `Evaluator` is the one evaluation service: an hf
-engine serving a checkpoint or a published mean, with its encoder and verifier pool (the CLI, the
-evaluator actor); `model_pass_at_1` evaluates a live model in training (the bootstrap).
+exactly like training. Temperature 0 is greedy. `Evaluator` is the one evaluation service, built
+the same way by every caller: an hf engine serving a checkpoint or a published mean (the CLI, the
+evaluations around training, the evaluator actor) or a live model (the bootstrap), with its encoder
+and a verifier pool built from the run's `[verifier]`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Literal
 from threepo.algorithms.pass_at_k import pass_at_k
 from threepo.services.engines.base import EngineRequest, GeneratedSample
 from threepo.services.messages import SamplingParams, TaskItem, VerifyRequest, VerifyResult, VerifyStatus
-from threepo.services.verifier_pool import VerifierPool, VerifierPoolConfig
+from threepo.services.verifier_pool import VerifierConfig, VerifierPool
 
 if TYPE_CHECKING:
     from threepo.services.prompting import PromptEncoder
@@ -131,40 +132,47 @@ def evaluate(generate: GenerateFn, items: Sequence[TaskItem], verify: VerifyFn,
     )
 
 
-def model_pass_at_1(model, prompts: PromptEncoder, items: Sequence[TaskItem], *, temperature: float,
-                    max_new_tokens: int) -> float:
-    """pass@1 of a live model (one sample per item), e.g. one being trained; the model is put in
-    eval mode for the call and its previous mode restored."""
-    from threepo.services.engines.decoding import generate, own_decoder
-
-    pool, was_training = VerifierPool(VerifierPoolConfig()), model.training
-    model.eval()
-    try:
-        lean = own_decoder(model)
-        report = evaluate(lambda requests, params: generate(model, prompts.tokenizer, requests, params,
-                                                            batch_size=256, lean=lean),
-                          items, pool.verify_batch, prompts, samples_per_item=1, k=1, temperature=temperature,
-                          max_new_tokens=max_new_tokens)
-    finally:
-        model.train(was_training)
-        pool.close()
-    return report.pass_at_1
-
-
 class Evaluator:
-    """The evaluation service: an hf engine serving the checkpoint at `model_path` (or a mean given
-    to `load`), its prompt encoder and the verifier pool (built by the caller from the run's
-    `[verifier]`, as training's; closed with the service). `cfg`: the engine's sampler settings
-    (threads, batch size, served dtype)."""
+    """The evaluation service: a policy's completions of `items`, encoded by `prompts`, scored by a
+    verifier pool built from the run's `[verifier]` (`verifier`; the remote sandbox's `token`, read
+from `verifier.auth_env` in this process when None),
+    as training scores them. The policy is an hf engine serving a checkpoint (`serving`: `threepo
+    eval`, the evaluations around training, the evaluator actor, which `load`s each published mean)
+    or a live model (`of_model`: the bootstrap). Close it to free the engine and the pool."""
 
-    def __init__(self, model_path: str, items: Sequence[TaskItem], pool: VerifierPool, prompts,
-                 cfg, *, dtype: str = "float32", seed: int = 0) -> None:
+    def __init__(self, generate: GenerateFn, items: Sequence[TaskItem], verifier: VerifierConfig, prompts,
+                 *, token: str | None = None, batch_size: int = 256, seed: int = 0, engine=None) -> None:
+        self.generate, self.items, self.prompts = generate, list(items), prompts
+        self.pool = VerifierPool(verifier.pool_config(token))
+        self.batch_size, self.seed, self.engine = batch_size, seed, engine
+
+    @classmethod
+    def serving(cls, model_path: str, items: Sequence[TaskItem], verifier: VerifierConfig, prompt_cfg,
+                engine_cfg, *, token: str | None = None, dtype: str = "float32", seed: int = 0) -> Evaluator:
+        """An hf engine serving the checkpoint at `model_path` (or a mean given to `load`); `engine_cfg`:
+        its sampler settings (threads, batch size, device)."""
         from threepo.services.engines.hf import HFEngine
         from threepo.services.prompting import PromptEncoder
 
-        self.engine = HFEngine(model_path, cfg, dtype=dtype)
-        self.prompts = PromptEncoder.from_path(model_path, prompts)
-        self.items, self.pool, self.cfg, self.seed = list(items), pool, cfg, seed
+        engine = HFEngine(model_path, engine_cfg, dtype=dtype)
+        return cls(engine.generate, items, verifier, PromptEncoder.from_path(model_path, prompt_cfg), token=token,
+                   batch_size=engine_cfg.batch_size, seed=seed, engine=engine)
+
+    @classmethod
+    def of_model(cls, model, prompts: PromptEncoder, items: Sequence[TaskItem],
+                 verifier: VerifierConfig | None = None) -> Evaluator:
+        """A live model (e.g. one being trained), decoded in eval mode by the hf engine's loop."""
+        from threepo.services.engines.decoding import generate, own_decoder
+
+        def sample(requests, params):
+            was_training = model.training
+            model.eval()
+            try:
+                return generate(model, prompts.tokenizer, requests, params, batch_size=256, lean=own_decoder(model))
+            finally:
+                model.train(was_training)
+
+        return cls(sample, items, verifier or VerifierConfig(), prompts)
 
     def load(self, mean: Mapping, mean_checksum: str) -> None:
         """Serve a published mean (the evaluations during training)."""
@@ -172,11 +180,12 @@ class Evaluator:
 
     def evaluate(self, *, samples_per_item: int, k: int, temperature: float, max_new_tokens: int,
                  progress: Callable[[int], None] | None = None) -> EvalReport:
-        return evaluate(self.engine.generate, self.items, self.pool.verify_batch, self.prompts,
+        return evaluate(self.generate, self.items, self.pool.verify_batch, self.prompts,
                         samples_per_item=samples_per_item, k=k, temperature=temperature,
-                        max_new_tokens=max_new_tokens, batch_size=self.cfg.batch_size, seed=self.seed,
+                        max_new_tokens=max_new_tokens, batch_size=self.batch_size, seed=self.seed,
                         progress=progress)
 
     def close(self) -> None:
         self.pool.close()
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()

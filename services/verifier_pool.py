@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 from threepo.services.errors import UserInputError
 from threepo.services.messages import VerifyRequest, VerifyResult, VerifyStatus
 from threepo.services.metrics import CATALOGUE, Metrics, register_catalogue
-from threepo.services.verifiers.base import Verifier, VerifierOutage, load_verifier
+from threepo.services.verifiers.base import (BACKOFF_BASE_S, BACKOFF_MAX_S, INFRA_RETRIES, JITTER, MAX_CONCURRENCY,
+                                             Verifier, VerifierOutage, load_verifier)
 
 if TYPE_CHECKING:
     from threepo.services.verifiers.remote import RemoteSandboxConfig
@@ -50,15 +51,15 @@ _METRICS = ("threepo_verifier_results_total", "threepo_verifier_latency_seconds"
 class VerifierPoolConfig:
     """How the pool runs verifiers."""
 
-    max_concurrency: int = 8
+    max_concurrency: int = MAX_CONCURRENCY
     """Most verifications in flight at once (over all verifier names)."""
-    infra_retries: int = 3
+    infra_retries: int = INFRA_RETRIES
     """Retries of a verification whose status is infra_error (attempts = 1 + infra_retries)."""
-    backoff_base_s: float = 0.5
+    backoff_base_s: float = BACKOFF_BASE_S
     """Delay before retry k (k = 0, 1, ...) is min(backoff_max_s, base * 2**k) * U(1 - jitter, 1)."""
-    backoff_max_s: float = 8.0
+    backoff_max_s: float = BACKOFF_MAX_S
     """Cap on one backoff delay."""
-    jitter: float = 0.5
+    jitter: float = JITTER
     """Fraction of each delay drawn at random, in [0, 1] (spreads retries of a failed burst)."""
     seed: int = 0
     """Seed of the jitter."""
@@ -130,11 +131,11 @@ class VerifierConfig:
     max_attempts: int = 8
     """Failed attempts of one verification, counted while other requests get answers, before it
     ends as infra_error."""
-    backoff_base_s: float = 0.5
+    backoff_base_s: float = BACKOFF_BASE_S
     """First retry delay; doubles per retry up to backoff_max_s, shortened by up to `jitter`."""
-    backoff_max_s: float = 10.0
+    backoff_max_s: float = BACKOFF_MAX_S
     """Cap on one retry delay."""
-    jitter: float = 0.5
+    jitter: float = JITTER
     """Fraction of each retry delay drawn at random, in [0, 1]."""
     unhealthy_after: int = 5
     """Consecutive failures that open an endpoint's circuit breaker."""
@@ -148,9 +149,9 @@ class VerifierConfig:
     limiter_name: str = "threepo-sandbox-limiter"
     """Name of the cluster-wide limiter; runs sharing a name share its permits (the first run to
     create it fixes the capacity)."""
-    max_concurrency: int = 8
+    max_concurrency: int = MAX_CONCURRENCY
     """Verifications in flight in one verifier actor."""
-    infra_retries: int = 3
+    infra_retries: int = INFRA_RETRIES
     """Pool-level retries of a verification a verifier still returns as infra_error."""
     seed: int = 0
     """Seed of the retry jitter."""

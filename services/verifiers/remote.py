@@ -44,7 +44,7 @@ import aiohttp
 
 from threepo.services.errors import UserInputError
 from threepo.services.messages import VerifyRequest, VerifyResult, VerifyStatus
-from threepo.services.verifiers.base import VerifierOutage
+from threepo.services.verifiers.base import BACKOFF_BASE_S, BACKOFF_MAX_S, JITTER, VerifierOutage
 from threepo.services.verifiers.code_verifiers import prepare, result, score_run
 from threepo.services.verifiers.sandbox import OUTPUT_LIMIT_MESSAGE, RunResult, RunStatus
 
@@ -68,11 +68,11 @@ class RemoteSandboxConfig:
     max_attempts: int = 8
     """Failed attempts of one call, counted only while other requests get answers, before it ends
     as infra_error (a request no endpoint can serve; see the module docstring)."""
-    backoff_base_s: float = 0.5
+    backoff_base_s: float = BACKOFF_BASE_S
     """Delay before retry k (k = 0, 1, ...) is min(backoff_max_s, base * 2**k) * U(1 - jitter, 1)."""
-    backoff_max_s: float = 10.0
+    backoff_max_s: float = BACKOFF_MAX_S
     """Cap on one backoff delay."""
-    jitter: float = 0.5
+    jitter: float = JITTER
     """Fraction of each backoff drawn at random, in [0, 1] (spreads the retries of a burst)."""
     unhealthy_after: int = 5
     """Consecutive failures that open an endpoint's circuit breaker."""
