@@ -98,7 +98,8 @@ def train_run(model: str, overrides, label: str, recipe: str | None = None, held
 
     import ray
 
-    from threepo.deploy.actors import init_ray, start_roles, stop_roles
+    from threepo.deploy.actors import start_roles, stop_roles
+    from threepo.deploy.cluster import init_ray
     from threepo.deploy.commands import evaluate_policy, make_run_dir
     from threepo.deploy.cores import CorePlacement
     from threepo.deploy.run import run

@@ -313,7 +313,7 @@ def main() -> None:
         args.steps, args.prompts_per_step, args.samplers = 10, 64, min(args.samplers, 16)
     import ray
 
-    from threepo.deploy.actors import init_ray
+    from threepo.deploy.cluster import init_ray
 
     cfg = _common.config(os.path.join(tempfile.gettempdir(), "no-model"), [
         *LAYOUT, f"runtime.num_samplers={args.samplers}", f"runtime.prompts_per_step={args.prompts_per_step}",

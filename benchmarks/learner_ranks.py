@@ -82,7 +82,8 @@ def main() -> None:
     import ray
 
     from threepo.algorithms.ivon_shard import shard_by_numel, shard_loads
-    from threepo.deploy.actors import ACTOR_ENV, init_ray
+    from threepo.deploy.actors import ACTOR_ENV
+    from threepo.deploy.cluster import init_ray
     from threepo.deploy.learner_actor import LearnerActor
     from threepo.deploy.learner_group import start_learner_group
     from threepo.services.learner.core import Learner

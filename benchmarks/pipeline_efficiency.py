@@ -62,7 +62,8 @@ def standalone(model: str, cfg, steps: int) -> dict:
 
     from threepo.algorithms.exploration import make_plan
     from threepo.algorithms.param_noise import weights_checksum
-    from threepo.deploy.actors import ACTOR_ENV, SamplerActor, init_ray
+    from threepo.deploy.actors import ACTOR_ENV, SamplerActor
+    from threepo.deploy.cluster import init_ray
 
     init_ray(cfg)
     rt, algo = cfg.runtime, cfg.algo

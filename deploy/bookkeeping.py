@@ -46,104 +46,13 @@ import heapq
 import math
 from collections import Counter, deque
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
 
-from threepo.services.batching import INFRA
-from threepo.services.messages import (STATUSES, GenerateReport, GroupRows, RolloutRequest, ScoreBatch, TaskItem,
-                                       VerifyStatus)
+from threepo.deploy.ledger_parts import (OK, Counts, OpenGroup, OpenRound, PersistentFailure, Readmission,
+                                         admission_open, parse_round_key, round_key)
 from threepo.deploy.stream import PromptStream, RangeSet
+from threepo.services.batching import INFRA
+from threepo.services.messages import GenerateReport, GroupRows, RolloutRequest, ScoreBatch
 from threepo.services.posterior import VersionPlan
-
-
-def admission_open(*, mode: str, admitted_prompts: int, learner_steps: int, learner_busy: bool,
-                   prompts_per_step: int, max_offpolicy: int, total_steps: int) -> bool:
-    """May one more prompt be admitted now? (See the module docstring for the rule.)"""
-    step_of_next = admitted_prompts // prompts_per_step  # the learner step that will consume it
-    if step_of_next >= total_steps:
-        return False  # never admit what the run will not consume
-    if mode == "sync":
-        return step_of_next == learner_steps and not learner_busy
-    return step_of_next <= learner_steps + max_offpolicy
-
-
-_OK = STATUSES.index(VerifyStatus.OK)
-
-
-@dataclass(frozen=True)
-class Readmission:
-    """What the ledger does with uninformative rounds (module docstring); from the run's AlgoConfig."""
-
-    fraction: float = 0.0       # algo.readmit_fraction: re-admissions among a step's B prompts, ⌈fraction·B⌉ (0 = off)
-    max_rounds: int = 1         # algo.readmit_max: re-admissions of one prompt
-    dead_scale: float = 1.0     # algo.dead_group_scale: σ multiplier of a re-admitted all-fail prompt
-    solved_scale: float = 1.0   # algo.solved_group_scale: of an all-pass one (1 = solved ones are not re-admitted)
-    filter: bool = False        # algo.dynamic_filter: drop equal-reward rounds before the learner takes them
-    filter_fraction: float = 0.0  # algo.filter_replacements: most dropped rounds per learner step, ⌈·B⌉
-
-    @classmethod
-    def of(cls, algo) -> Readmission:
-        return cls(fraction=algo.readmit_fraction, max_rounds=algo.readmit_max, dead_scale=algo.dead_group_scale,
-                   solved_scale=algo.solved_group_scale, filter=algo.dynamic_filter,
-                   filter_fraction=algo.filter_replacements if algo.dynamic_filter else 0.0)
-
-
-@dataclass
-class _Group:
-    """An admitted group that is not consumed yet."""
-
-    prompt_index: int
-    index: int                  # group index within the prompt (M3PO: one per slot group)
-    item: TaskItem
-    version: int
-    published_step: int
-    expected: tuple[str, ...]   # its requests, in slot order
-    arrived: dict = field(default_factory=dict)  # request id -> (batch key, first row, rows)
-    round: int = 0              # 0: fresh; r ≥ 1: the r-th re-admission of the prompt
-    scale: float = 1.0          # σ multiplier of its slots
-    order: int = 0              # admission sequence number (groups are consumed oldest first)
-    after_dead: bool = False    # its round re-admits a prompt whose previous round was all-fail
-    outcome: tuple = ()         # (dead, solved) of its round, once every group of the round is complete
-
-
-@dataclass
-class _Round:
-    """One admission of a prompt (its groups) and what its rollouts scored so far."""
-
-    groups: list[str]
-    left: int                   # groups not complete yet
-    after_dead: bool            # re-admitted because its previous round was all-fail
-    scale: float
-    ok: int = 0
-    rows: int = 0
-    lo: float = math.inf
-    hi: float = -math.inf
-
-
-@dataclass
-class Counts:
-    """Delivery counts, asserted by the integration tests and written to summary.json."""
-
-    admitted_rollouts: int = 0
-    consumed_rollouts: int = 0
-    reissued_requests: int = 0
-    rejected_weights: int = 0     # rows of requests whose engine failed a weight check
-    infra_errors: int = 0         # rows scored infra_error (their requests re-issued)
-    duplicates: int = 0           # rows of a request that had already arrived
-    sampler_failures: int = 0
-    verifier_failures: int = 0
-    seq_gaps: int = 0
-    dead_prompts: int = 0         # rounds whose rollouts all failed (no `ok`)
-    solved_prompts: int = 0       # rounds whose rollouts all passed
-    readmitted_prompts: int = 0   # re-admissions (dead-group-aware exploration)
-    readmit_dropped: int = 0      # dead/solved rounds not re-admitted: the queue was full
-    retried_dead: int = 0         # completed re-admissions of a prompt whose previous round was dead
-    rescued_dead: int = 0         # ... with at least one successful rollout
-    dropped_groups: int = 0       # groups the dynamic filter dropped before the learner (replaced)
-    dropped_rollouts: int = 0
-
-
-class PersistentFailure(RuntimeError):
-    """A request failed more often than `runtime.max_reissues` allows."""
 
 
 class Ledger:
@@ -163,14 +72,14 @@ class Ledger:
         self.readmit: deque = deque()  # (prompt index, group indices, round, scale, after dead) to admit again (resume)
         self.explore: deque = deque()  # (prompt index, round, scale, after dead): re-admissions waiting
         self._readmits: Counter = Counter()  # step (admission) -> re-admissions among its prompts
-        self._rounds: dict[tuple[int, int], _Round] = {}  # (prompt index, round) -> open round
-        self._filtered: list[_Group] = []    # dropped by the dynamic filter, released at the next take
+        self._rounds: dict[tuple[int, int], OpenRound] = {}  # (prompt index, round) -> open round
+        self._filtered: list[OpenGroup] = []    # dropped by the dynamic filter, released at the next take
         self._dropped_this_step = 0
         self.consumed_rounds: set = set()  # (prompt index, round ≥ 1) all of whose groups were consumed
         self.version: int | None = None
         self.versions: dict[int, VersionPlan] = {}
         self.held: int | None = None  # the version whose posterior hold this ledger keeps (adopt)
-        self.groups: dict[str, _Group] = {}
+        self.groups: dict[str, OpenGroup] = {}
         self.requests: dict[str, RolloutRequest] = {}  # in flight
         self.reissues: Counter = Counter()
         self._ready: list = []        # heap of (prompt index, group id): complete groups, oldest first
@@ -240,11 +149,11 @@ class Ledger:
                 slot=slot.index, slot_seed=slot.seed, n=plan.rollouts_per_slot, slot_scale=slot.scale))
         out = []
         for g, reqs in by_group.items():
-            self.groups[reqs[0].group_id] = _Group(index, g, item, self.version, info.learner_step,
+            self.groups[reqs[0].group_id] = OpenGroup(index, g, item, self.version, info.learner_step,
                                                    tuple(r.request_id for r in reqs), round=rnd, scale=scale,
                                                    order=self.admission_no, after_dead=after_dead)
             out += reqs
-        self._rounds[(index, rnd)] = _Round([reqs[0].group_id for reqs in by_group.values()], len(by_group),
+        self._rounds[(index, rnd)] = OpenRound([reqs[0].group_id for reqs in by_group.values()], len(by_group),
                                             after_dead, scale)
         for r in out:
             self.requests[r.request_id] = r
@@ -310,13 +219,13 @@ class Ledger:
                 self._join(group, rid, key, rows, scores)
         return self._reissue(retry)
 
-    def _join(self, group: _Group, rid: str, key: Hashable, rows: slice, scores: ScoreBatch) -> None:
+    def _join(self, group: OpenGroup, rid: str, key: Hashable, rows: slice, scores: ScoreBatch) -> None:
         group.arrived[rid] = (key, rows.start, rows.stop - rows.start)
         self._batch_refs[key] += 1
         self.requests.pop(rid)
         self.reissues.pop(rid, None)
         rnd, rewards = self._rounds[(group.prompt_index, group.round)], scores.rewards[rows]
-        rnd.ok += int((scores.statuses[rows] == _OK).sum())
+        rnd.ok += int((scores.statuses[rows] == OK).sum())
         rnd.rows += len(rewards)
         rnd.lo, rnd.hi = min(rnd.lo, float(rewards.min())), max(rnd.hi, float(rewards.max()))
         if len(group.arrived) == len(group.expected):
@@ -343,7 +252,7 @@ class Ledger:
         for gid, g in zip(rnd.groups, groups):
             heapq.heappush(self._ready, (g.order, g.index, gid))
 
-    def _round_consumed(self, group: _Group) -> None:
+    def _round_consumed(self, group: OpenGroup) -> None:
         """The last group of a round was consumed (or dropped): count its outcome and queue the
         prompt's re-admission (dead-group-aware exploration). Done at consumption, not on arrival,
         so a checkpoint's counts and queue hold exactly the consumed rounds."""
@@ -432,7 +341,7 @@ class Ledger:
         self._readmits = Counter({s: n for s, n in self._readmits.items() if s >= self.step})
         return rows, keys, drop, versions
 
-    def _consume(self, group: _Group) -> None:
+    def _consume(self, group: OpenGroup) -> None:
         key = group.prompt_index if not group.round else (group.prompt_index, group.round)
         done = self._partial.setdefault(key, set())
         if group.index in done or (key in self.consumed_rounds if group.round else key in self.consumed):
@@ -473,7 +382,7 @@ class Ledger:
         return {"step": self.step, "next_index": self.next_index, "readmit": readmit,
                 "explore": [list(e) for e in self.explore], "consumed_rounds": sorted(map(list, self.consumed_rounds)),
                 "consumed": [list(r) for r in self.consumed.ranges],
-                "partial": {_round_key(k): sorted(v) for k, v in self._partial.items()}, "counts": counts}
+                "partial": {round_key(k): sorted(v) for k, v in self._partial.items()}, "counts": counts}
 
     def load(self, state: dict) -> None:
         """Resume from `state`; a state written before re-admissions existed (no rounds) loads too."""
@@ -483,15 +392,6 @@ class Ledger:
         self.consumed_rounds = {tuple(k) for k in state.get("consumed_rounds", [])}
         self.admitted_prompts = self.step * self.b
         self.consumed = RangeSet(state["consumed"])
-        self._partial = {_parse_round_key(k): set(v) for k, v in state["partial"].items()}
+        self._partial = {parse_round_key(k): set(v) for k, v in state["partial"].items()}
         self.counts = Counts(**state["counts"])
 
-
-def _round_key(key: int | tuple[int, int]) -> str:
-    """A prompt's (round 0) or a re-admission's key as JSON text: "12" or "12/r1"."""
-    return str(key) if isinstance(key, int) else f"{key[0]}/r{key[1]}"
-
-
-def _parse_round_key(text: str) -> int | tuple[int, int]:
-    index, _, rnd = text.partition("/r")
-    return (int(index), int(rnd)) if rnd else int(index)

@@ -118,3 +118,32 @@ def record_driver_metrics(handles: dict, row: dict, counts, reported: dict) -> N
         if count > reported.get(reason, 0):
             handles["threepo_rejected_completions_total"].inc(count - reported.get(reason, 0), reason=reason)
             reported[reason] = count
+
+
+def delivery_figures(s) -> dict:
+    """The ledger's delivery counts for a step's row (`s`: the driver's Loop)."""
+    c = s.ledger.counts
+    return {"admitted_rollouts": c.admitted_rollouts, "consumed_rollouts": c.consumed_rollouts,
+            "groups_in_flight": len(s.ledger.groups) - s.ledger.ready(), "groups_ready": s.ledger.ready(),
+            "reissued_requests": c.reissued_requests, "rejected_weights": c.rejected_weights,
+            **s.ledger.exploration_figures()}
+
+
+def write_summary(s, run_dir: str, **extra) -> dict:
+    """summary.json at the end of a run (`s`: the driver's Loop): delivery counts, wall, each role's
+    peak memory, the report's files; `extra`: why it stopped or the final checkpoint."""
+    from dataclasses import asdict
+
+    from threepo.deploy.actors import role_memory
+    from threepo.deploy.report import make_report
+
+    s.log.close()
+    memory = role_memory(s.roles)
+    summary = {**extra, "steps": s.ledger.step, "version": s.ledger.version, **asdict(s.ledger.counts),
+               "consumed_prompts": len(s.ledger.consumed),
+               "wall_s": round(s.log.elapsed(), 2), "peak_memory_mb": memory,
+               "peak_memory_total_mb": round(sum(memory.values()), 1),
+               "report": [str(p) for p in make_report(run_dir)] if s.ledger.step else []}
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary

@@ -14,28 +14,29 @@ Completions never pass through the driver: a sampler's `CompletionBatch` goes fr
 to a verifier and to the learner; the driver reads the small `GenerateReport` and `ScoreBatch` and
 keeps ids, counts and row positions in its `Ledger` (deploy/bookkeeping.py, a plain class with its
 own tests). The loop's own waiting is here: every reference it waits on maps to a typed event (`Scored`,
-`Learned`, `Published`, `Evaluated`, `Saved`, `Joined`), handled in one `match`. The roles' start-up
-and calls that complete before the loop goes on live in deploy/actors.py, learner_actor.py,
-learner_group.py, limiter.py and checkpoints.py; version lifetime is the ledger's (`Ledger.adopt`).
+`Learned`, `Published`, `Evaluated`, `Saved`, `Joined`; deploy/driver_state.py, with the `Loop` state),
+handled in one `match`. The roles' start-up and calls that complete before the loop goes on live in
+deploy/actors.py, learner_actor.py, learner_group.py, cluster.py, limiter.py and checkpoints.py;
+version lifetime is the ledger's (`Ledger.adopt`); summary.json is written by deploy/outputs.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from dataclasses import dataclass, field
 
 import ray
 
 from threepo.deploy import checkpoints
-from threepo.deploy.actors import Roles, init_ray, role_memory, start_roles, start_stateful, stop_roles
+from threepo.deploy.actors import Roles, start_roles, start_stateful, stop_roles
 from threepo.deploy.bookkeeping import Ledger, PersistentFailure, Readmission
-from threepo.deploy.stream import PromptStream
+from threepo.deploy.cluster import init_ray
 from threepo.deploy.config import RunConfig
 from threepo.deploy.cores import CorePlacement
-from threepo.deploy.metrics import RestartCounter
-from threepo.deploy.outputs import RunLog, Window, record_driver_metrics, resume_metrics_file
+from threepo.deploy.driver_state import Call, Evaluated, Joined, Learned, Loop, Published, Saved, Scored
+from threepo.deploy.outputs import (RunLog, Window, delivery_figures, record_driver_metrics, resume_metrics_file,
+                                    write_summary)
+from threepo.deploy.stream import PromptStream
 from threepo.services.datasets import train_items
 from threepo.services.verifiers.base import VerifierOutage
 
@@ -50,83 +51,6 @@ class RunStopped(RuntimeError):
     """The run stopped for a reason waiting cannot fix (every verifier endpoint down past
     `verifier.outage_s`, a request failing past `runtime.max_reissues`, restores used up); the
     message says why and how to resume, summary.json where it stopped."""
-
-
-@dataclass
-class Call:
-    """One sampler call in flight: its requests and the references of what it returns."""
-
-    sampler: int
-    requests: list
-    report: object                 # ref -> GenerateReport
-    batch: object                  # ref -> CompletionBatch (never fetched by the driver)
-    verifier_attempts: int = 1
-
-
-@dataclass(frozen=True)
-class Joined:
-    """A started or restarting sampler's probe answered (or failed)."""
-
-    sampler: int
-
-
-@dataclass(frozen=True)
-class Scored:
-    """A sampler call's batch was scored by a verifier."""
-
-    call: Call
-
-
-@dataclass(frozen=True)
-class Learned:
-    """A learner step finished (`on_learned` takes the results in step order)."""
-
-
-@dataclass(frozen=True)
-class Published:
-    """The posterior server stored a version; `weights`: the learner's published object."""
-
-    weights: object
-
-
-@dataclass(frozen=True)
-class Evaluated:
-    """A held-out evaluation after learner step `step` finished."""
-
-    step: int
-
-
-@dataclass(frozen=True)
-class Saved:
-    """A role finished writing its part of a checkpoint."""
-
-
-Event = Joined | Scored | Learned | Published | Evaluated | Saved
-
-
-@dataclass
-class Loop:
-    """What the driver tracks between iterations (its one owner)."""
-
-    cfg: RunConfig
-    roles: Roles
-    ledger: Ledger
-    log: RunLog
-    inflight: dict = field(default_factory=dict)   # ref -> the Event its result is
-    batches: dict = field(default_factory=dict)    # batch key -> (batch ref, score ref), while a group needs it
-    weights: dict = field(default_factory=dict)    # version -> ref of its (mean, σ, checksum)
-    learning: list = field(default_factory=list)   # (step, result ref, version ref) in flight, oldest first
-    next_key: int = 0
-    verifier_turn: int = 0
-    window: Window = field(default_factory=Window)
-    idle_since: float | None = field(default_factory=time.monotonic)  # the learner waiting for groups
-    pending: object = None                          # a checkpoint being written
-    reported: dict = field(default_factory=dict)
-    restarts: RestartCounter = field(default_factory=RestartCounter)
-    joining: set = field(default_factory=set)       # samplers started or restarting, not answering yet
-    restarting: dict = field(default_factory=dict)  # fixed pool: sampler -> when it was first seen restarting
-    backlog: list = field(default_factory=list)     # requests waiting for a sampler to exist
-    pool_checked: float = 0.0
 
 
 def train(cfg: RunConfig, run_dir: str, policy_path: str, resume_from: str | None = None) -> dict:
@@ -460,28 +384,3 @@ def call(ref):
         return ray.get(ref)
     except _DEAD as err:
         raise RoleLost(f"the learner or posterior server died ({type(err).__name__})") from None
-
-
-def delivery_figures(s: Loop) -> dict:
-    c = s.ledger.counts
-    return {"admitted_rollouts": c.admitted_rollouts, "consumed_rollouts": c.consumed_rollouts,
-            "groups_in_flight": len(s.ledger.groups) - s.ledger.ready(), "groups_ready": s.ledger.ready(),
-            "reissued_requests": c.reissued_requests, "rejected_weights": c.rejected_weights,
-            **s.ledger.exploration_figures()}
-
-
-def write_summary(s: Loop, run_dir: str, **extra) -> dict:
-    from dataclasses import asdict
-
-    from threepo.deploy.report import make_report
-
-    s.log.close()
-    memory = role_memory(s.roles)
-    summary = {**extra, "steps": s.ledger.step, "version": s.ledger.version, **asdict(s.ledger.counts),
-               "consumed_prompts": len(s.ledger.consumed),
-               "wall_s": round(s.log.elapsed(), 2), "peak_memory_mb": memory,
-               "peak_memory_total_mb": round(sum(memory.values()), 1),
-               "report": [str(p) for p in make_report(run_dir)] if s.ledger.step else []}
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    return summary

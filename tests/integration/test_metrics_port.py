@@ -19,7 +19,7 @@ pytestmark = pytest.mark.ray
 SCRIPT = """
 import json, socket, sys, urllib.request
 import ray
-from threepo.deploy.actors import init_ray
+from threepo.deploy.cluster import init_ray
 from threepo.deploy.config import load_config
 init_ray(load_config(None, sys.argv[1:]))
 port = ray.nodes()[0]["MetricsExportPort"]

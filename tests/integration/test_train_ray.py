@@ -154,7 +154,8 @@ class DyingVerifier:
 def test_a_verifier_that_keeps_dying_stops_the_run_with_the_reason(ray_session, tmp_path, tiny_dense_path):
     import ray
 
-    from threepo.deploy.actors import init_ray, start_roles, stop_roles
+    from threepo.deploy.actors import start_roles, stop_roles
+    from threepo.deploy.cluster import init_ray
     from threepo.deploy.run import run
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -1,0 +1,113 @@
+"""The plain parts of the driver's ledger (deploy/bookkeeping.py, whose docstring states the rules):
+the admission rule under the staleness bound, the re-admission settings, the ledger's records of its
+open groups and rounds, its delivery counts, and how a round's key is written in a checkpoint."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from threepo.services.messages import STATUSES, TaskItem, VerifyStatus
+
+
+def admission_open(*, mode: str, admitted_prompts: int, learner_steps: int, learner_busy: bool,
+                   prompts_per_step: int, max_offpolicy: int, total_steps: int) -> bool:
+    """May one more prompt be admitted now? (See the module docstring for the rule.)"""
+    step_of_next = admitted_prompts // prompts_per_step  # the learner step that will consume it
+    if step_of_next >= total_steps:
+        return False  # never admit what the run will not consume
+    if mode == "sync":
+        return step_of_next == learner_steps and not learner_busy
+    return step_of_next <= learner_steps + max_offpolicy
+
+
+OK = STATUSES.index(VerifyStatus.OK)
+
+
+@dataclass(frozen=True)
+class Readmission:
+    """What the ledger does with uninformative rounds (module docstring); from the run's AlgoConfig."""
+
+    fraction: float = 0.0       # algo.readmit_fraction: re-admissions among a step's B prompts, ⌈fraction·B⌉ (0 = off)
+    max_rounds: int = 1         # algo.readmit_max: re-admissions of one prompt
+    dead_scale: float = 1.0     # algo.dead_group_scale: σ multiplier of a re-admitted all-fail prompt
+    solved_scale: float = 1.0   # algo.solved_group_scale: of an all-pass one (1 = solved ones are not re-admitted)
+    filter: bool = False        # algo.dynamic_filter: drop equal-reward rounds before the learner takes them
+    filter_fraction: float = 0.0  # algo.filter_replacements: most dropped rounds per learner step, ⌈·B⌉
+
+    @classmethod
+    def of(cls, algo) -> Readmission:
+        return cls(fraction=algo.readmit_fraction, max_rounds=algo.readmit_max, dead_scale=algo.dead_group_scale,
+                   solved_scale=algo.solved_group_scale, filter=algo.dynamic_filter,
+                   filter_fraction=algo.filter_replacements if algo.dynamic_filter else 0.0)
+
+
+@dataclass
+class OpenGroup:
+    """An admitted group that is not consumed yet."""
+
+    prompt_index: int
+    index: int                  # group index within the prompt (M3PO: one per slot group)
+    item: TaskItem
+    version: int
+    published_step: int
+    expected: tuple[str, ...]   # its requests, in slot order
+    arrived: dict = field(default_factory=dict)  # request id -> (batch key, first row, rows)
+    round: int = 0              # 0: fresh; r ≥ 1: the r-th re-admission of the prompt
+    scale: float = 1.0          # σ multiplier of its slots
+    order: int = 0              # admission sequence number (groups are consumed oldest first)
+    after_dead: bool = False    # its round re-admits a prompt whose previous round was all-fail
+    outcome: tuple = ()         # (dead, solved) of its round, once every group of the round is complete
+
+
+@dataclass
+class OpenRound:
+    """One admission of a prompt (its groups) and what its rollouts scored so far."""
+
+    groups: list[str]
+    left: int                   # groups not complete yet
+    after_dead: bool            # re-admitted because its previous round was all-fail
+    scale: float
+    ok: int = 0
+    rows: int = 0
+    lo: float = math.inf
+    hi: float = -math.inf
+
+
+@dataclass
+class Counts:
+    """Delivery counts, asserted by the integration tests and written to summary.json."""
+
+    admitted_rollouts: int = 0
+    consumed_rollouts: int = 0
+    reissued_requests: int = 0
+    rejected_weights: int = 0     # rows of requests whose engine failed a weight check
+    infra_errors: int = 0         # rows scored infra_error (their requests re-issued)
+    duplicates: int = 0           # rows of a request that had already arrived
+    sampler_failures: int = 0
+    verifier_failures: int = 0
+    seq_gaps: int = 0
+    dead_prompts: int = 0         # rounds whose rollouts all failed (no `ok`)
+    solved_prompts: int = 0       # rounds whose rollouts all passed
+    readmitted_prompts: int = 0   # re-admissions (dead-group-aware exploration)
+    readmit_dropped: int = 0      # dead/solved rounds not re-admitted: the queue was full
+    retried_dead: int = 0         # completed re-admissions of a prompt whose previous round was dead
+    rescued_dead: int = 0         # ... with at least one successful rollout
+    dropped_groups: int = 0       # groups the dynamic filter dropped before the learner (replaced)
+    dropped_rollouts: int = 0
+
+
+class PersistentFailure(RuntimeError):
+    """A request failed more often than `runtime.max_reissues` allows."""
+
+
+
+
+def round_key(key: int | tuple[int, int]) -> str:
+    """A prompt's (round 0) or a re-admission's key as JSON text: "12" or "12/r1"."""
+    return str(key) if isinstance(key, int) else f"{key[0]}/r{key[1]}"
+
+
+def parse_round_key(text: str) -> int | tuple[int, int]:
+    index, _, rnd = text.partition("/r")
+    return (int(index), int(rnd)) if rnd else int(index)
