@@ -12,7 +12,7 @@ from threepo.services.messages import STATUSES, TaskItem, VerifyStatus
 
 def admission_open(*, mode: str, admitted_prompts: int, learner_steps: int, learner_busy: bool,
                    prompts_per_step: int, max_offpolicy: int, total_steps: int) -> bool:
-    """May one more prompt be admitted now? (See the module docstring for the rule.)"""
+    """May one more prompt be admitted now? (deploy/bookkeeping.py's docstring states the rule.)"""
     step_of_next = admitted_prompts // prompts_per_step  # the learner step that will consume it
     if step_of_next >= total_steps:
         return False  # never admit what the run will not consume
