@@ -25,7 +25,7 @@ from threepo.services.datasets import MAX_NEW_TOKENS, DataConfig
 from threepo.services.engines.base import SamplerConfig
 from threepo.services.errors import UserInputError
 from threepo.services.evaluation import EvalConfig
-from threepo.services.learner.config import AlgoConfig, LearnerConfig, OptimConfig, SyncConfig, VP2OConfig
+from threepo.services.learner.config import AlgoConfig, LearnerConfig, NoiseConfig, OptimConfig, SyncConfig, VP2OConfig
 from threepo.services.modeling import ModelConfig
 from threepo.services.prompting import PromptConfig
 from threepo.services.tasks import TaskConfig, max_new_tokens_for
@@ -152,6 +152,7 @@ class RunConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     vp2o: VP2OConfig = field(default_factory=VP2OConfig)

@@ -36,7 +36,8 @@ from threepo.algorithms.exploration import gradient_points
 from threepo.algorithms.param_noise import weights_checksum
 from threepo.algorithms.sync_budget import sync_decision
 from threepo.services.learner.around import make_around
-from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig, VP2OConfig, has_drift_process
+from threepo.services.learner.config import (AlgoConfig, NoiseConfig, OptimConfig, SyncConfig, VP2OConfig,
+                                             has_drift_process)
 from threepo.services.learner.optimizers import make_optimizer
 from threepo.services.learner.ranks import Ranks, SingleRank
 from threepo.services.batching import TrainBatch, collate
@@ -71,7 +72,8 @@ class Learner:
                  temperature: float, max_new_tokens: int, threads: int = 1,
                  vp2o: VP2OConfig | None = None, ranks: Ranks | None = None, device: str = "cpu",
                  deepspeed_stage: int = -1, shared_prefix: bool = True, beside: bool = False,
-                 activation_mb: int = 0, gradient_checkpointing: bool = False, bf16: bool = False) -> None:
+                 activation_mb: int = 0, gradient_checkpointing: bool = False, bf16: bool = False,
+                 noise: NoiseConfig | None = None) -> None:
         torch.set_num_threads(threads)
         # a confident policy's softmax underflows into denormals, which made CPU steps ~1.8x slower
         torch.set_flush_denormal(True)
@@ -90,7 +92,7 @@ class Learner:
         # the drift forwards at slot weights in a process beside the update (learner_config.has_drift_process)
         self.beside = (BesideProcess(model_path, self.named, temperature, self.chunk, bf16) if beside and has_drift_process(
             optim.name, self.ranks.world, deepspeed_stage, self.device.type) else None)
-        self.optimizer = make_optimizer(self.model, self.named, optim, self.ranks, deepspeed_stage)
+        self.optimizer = make_optimizer(self.model, self.named, optim, self.ranks, deepspeed_stage, noise or NoiseConfig())
         self.estimator, self.loss = make_estimator(algo), make_policy_loss(algo)
         self.around = make_around(self.model, self.optimizer, (vp2o or VP2OConfig()) if algo.vp2o else None)
         self.step_count, self.steps_since_sync = 0, 0
@@ -186,11 +188,11 @@ class Learner:
             for_updates.setdefault(point, set()).update(for_drift[point])
         start, size = StartLogprobs(batch.mask.shape, batch.mask.device), batch.rewards.shape[1]
         need = {point: torch.tensor(sorted(rows)) for point, rows in for_updates.items() if rows}
-        pending = (self.beside.start(batch, aside, *self.optimizer.posterior(),
+        pending = (self.beside.start(batch, aside, *self.optimizer.served_posterior(),
                                      lambda rows: self._run(batch, rows)) if aside else Pending())
         for (seed, scale), rows in need.items():
             idx = self.ranks.mine(rows, size)  # every rank takes part in each point's collectives
-            with torch.no_grad(), self.optimizer.at(seed, train=False, scale=scale):
+            with torch.no_grad(), self.optimizer.at(seed, train=False, scale=scale, served=(seed, scale) in for_drift):
                 logp = self._logprobs(batch, idx)
             start.put(seed, idx, logp, scale)
         self.ranks.share_logprobs(start, list(need.items()))

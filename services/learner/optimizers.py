@@ -3,17 +3,19 @@ owns its state and answers everything the step asks of an optimizer, whichever i
 
 - `IVONPosterior` (optim.name=ivon): a variational posterior N(m, σ²) over the weights
   (algorithms/ivon.py). Gradients are taken at posterior samples θ̂ = m + c · σ ⊙ z(seed) (`at`),
-  each step updates (m, h, g_m) from the samples' gradients, and a version publishes (m, σ). Among R
-  ranks each tensor's state lives with its owner (services/learner/ranks.py).
+  each step updates (m, h, g_m) from the samples' gradients, and a version publishes (m, σ) with σ
+  zero outside the noise mask (`[noise]`, algorithms/noise_mask.py), which is what the engines serve
+  and what `at(..., served=True)` rebuilds a served slot with. Among R ranks each tensor's state
+  lives with its owner (services/learner/ranks.py).
 - `AdamW` (optim.name=adamw, the GRPO baseline): the weights themselves; `at` leaves them as they
   are, a version publishes the mean alone; gradients are summed over ranks and clipped.
 - `ZeroAdamW` (adamw with learner.deepspeed_stage ≥ 0): AdamW placed by DeepSpeed at a ZeRO stage
   (services/learner/zero.py): DeepSpeed reduces, clips and steps its partition.
 
-The interface (what services/learner/core.py calls): `variational`, `at(seed, train, scale)`,
+The interface (what services/learner/core.py calls): `variational`, `at(seed, train, scale, served)`,
 `backward(loss)`, `step()`, `expert_grads()` (what VP2O transforms), `whole()`, `published()`,
-`posterior()`, `state()`/`load_state()`, `save_files()`/`load_files()`, `wants(key)`, `state_bytes()`,
-`metrics()`.
+`served_posterior()`, `state()`/`load_state()`, `save_files()`/`load_files()`, `wants(key)`,
+`state_bytes()`, `metrics()`.
 """
 
 from __future__ import annotations
@@ -23,17 +25,20 @@ import contextlib
 import torch
 
 from threepo.algorithms.ivon import IVON
-from threepo.services.learner.config import OptimConfig
+from threepo.algorithms.noise_mask import MaskedSigma, noised_names
+from threepo.services.learner.config import NoiseConfig, OptimConfig
 from threepo.services.learner.zero import DeepSpeedAdamW
 
 _IVON_KINDS = ("mean", "hess", "momentum")
 
 
-def make_optimizer(model: torch.nn.Module, named: list, optim: OptimConfig, ranks, deepspeed_stage: int):
-    """The optimizer object of `optim.name`, placed on `ranks` (DeepSpeed at `deepspeed_stage` ≥ 0)."""
+def make_optimizer(model: torch.nn.Module, named: list, optim: OptimConfig, ranks, deepspeed_stage: int,
+                   noise: NoiseConfig = NoiseConfig()):
+    """The optimizer object of `optim.name`, placed on `ranks` (DeepSpeed at `deepspeed_stage` ≥ 0);
+    a posterior serves noise on the weights `noise` selects."""
     match optim.name, deepspeed_stage >= 0:
         case "ivon", False:
-            return IVONPosterior(named, optim, ranks)
+            return IVONPosterior(named, optim, ranks, noise)
         case "adamw", False:
             return AdamW(named, optim, ranks)
         case "adamw", True:
@@ -51,16 +56,23 @@ class IVONPosterior:
 
     variational = True  # gradient points are posterior samples; the drift is measured at slot weights
 
-    def __init__(self, named: list, optim: OptimConfig, ranks) -> None:
+    def __init__(self, named: list, optim: OptimConfig, ranks, noise: NoiseConfig = NoiseConfig()) -> None:
         self.named, self.ranks = named, ranks
+        self.noised = noised_names([n for n, _ in named], noise.modules, noise.layers)  # what slots perturb
+        if not self.noised:
+            raise ValueError(f"noise.modules={noise.modules}, noise.layers={list(noise.layers)}: no parameter of this "
+                             "model matches, so no slot would be perturbed; widen noise.layers or set "
+                             "noise.modules=everything")
         self.ivon = IVON(ranks.own(named), lr=optim.lr, ess=optim.ess, hess_init=optim.hess_init,
                          beta1=optim.beta1, beta2=optim.beta2, weight_decay=optim.weight_decay,
                          clip_radius=optim.clip_radius, rescale_lr=optim.rescale_lr)
 
-    def at(self, seed: int | None, train: bool = True, scale: float = 1.0):
+    def at(self, seed: int | None, train: bool = True, scale: float = 1.0, served: bool = False):
         """Every rank's model at θ̂ = m + c · σ ⊙ z(seed), c = `scale` (≠ 1 only to rebuild a scaled
-        slot, never to train); with train=True the body's gradients are folded into IVON's samples."""
-        return self.ranks.sampled(self.ivon, self.named, seed, train, scale)
+        slot, never to train); `served`: a served slot, σ zero outside the noise mask (never to
+        train); with train=True the body's gradients are folded into IVON's samples."""
+        sigma = MaskedSigma(self.ivon.sigma_by_name(), self.noised) if served else None
+        return self.ranks.sampled(self.ivon, self.named, seed, train, scale, sigma)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -79,13 +91,15 @@ class IVONPosterior:
     def whole(self):
         return contextlib.nullcontext()
 
-    def posterior(self):
-        """(m, σ) of this rank's tensors by name (live m: do not modify)."""
-        return self.ivon.mean_by_name(), self.ivon.sigma_by_name()
+    def served_posterior(self):
+        """(m, σ) of this rank's tensors by name as slots are served: σ zero outside the noise mask
+        (live m: do not modify)."""
+        return self.ivon.mean_by_name(), MaskedSigma(self.ivon.sigma_by_name(), self.noised)
 
     def published(self) -> tuple[dict, dict] | None:
-        """(m, σ) whole as fp32 numpy on rank 0, gathered from the owners; None on the other ranks."""
-        parts = self.ranks.gather_first(list(self.posterior()), self.named)
+        """(m, σ) whole as fp32 numpy on rank 0, gathered from the owners, σ zero outside the noise
+        mask (what every engine serves); None on the other ranks."""
+        parts = self.ranks.gather_first(list(self.served_posterior()), self.named)
         if parts is None:
             return None
         mean = {n: t.cpu().numpy().copy() for n, t in parts[0].items()}  # m is live state: a copy
@@ -140,7 +154,7 @@ class AdamW:
         return torch.optim.AdamW([p for _, p in self.named], lr=optim.lr, betas=(optim.beta1, optim.beta2),
                                  weight_decay=optim.weight_decay)
 
-    def at(self, seed: int | None, train: bool = True, scale: float = 1.0):
+    def at(self, seed: int | None, train: bool = True, scale: float = 1.0, served: bool = False):
         return contextlib.nullcontext()  # there is one policy: the weights
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -159,7 +173,7 @@ class AdamW:
         """A context in which every parameter is whole."""
         return contextlib.nullcontext()
 
-    def posterior(self):
+    def served_posterior(self):
         raise TypeError("AdamW holds no posterior (optim.name=ivon does)")
 
     def published(self) -> tuple[dict, None] | None:

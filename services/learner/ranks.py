@@ -66,8 +66,8 @@ class SingleRank:
     def denominators(self, mask: torch.Tensor) -> dict:
         return {}  # aggregate_loss takes its own: the whole point is here
 
-    def sampled(self, opt, named: list, seed: int | None, train: bool, scale: float = 1.0):
-        return opt.sampled_params(seed, train=train, scale=scale)
+    def sampled(self, opt, named: list, seed: int | None, train: bool, scale: float = 1.0, sigma=None):
+        return opt.sampled_params(seed, train=train, scale=scale, sigma=sigma)
 
     def all_reduce_grads(self, named: list) -> None:
         pass
@@ -132,10 +132,12 @@ class Ranks:
         return {"num_tokens": float(counts[0]), "num_seqs": float(counts[1])}
 
     @contextlib.contextmanager
-    def sampled(self, opt, named: list, seed: int | None, train: bool, scale: float = 1.0) -> Iterator[None]:
-        """Every rank's model at θ̂(seed, scale) (the owners' tensors, broadcast); with train=True the
-        body's gradients are summed over ranks before IVON folds its own tensors' share in."""
-        with opt.sampled_params(seed, train=train, scale=scale):
+    def sampled(self, opt, named: list, seed: int | None, train: bool, scale: float = 1.0,
+                sigma=None) -> Iterator[None]:
+        """Every rank's model at θ̂(seed, scale) (the owners' tensors, broadcast; `sigma`: the owners'
+        σ to build it with, default the posterior's); with train=True the body's gradients are summed
+        over ranks before IVON folds its own tensors' share in."""
+        with opt.sampled_params(seed, train=train, scale=scale, sigma=sigma):
             self.broadcast_from_owners(named)
             yield
             if train:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from threepo.algorithms.ivon import IVON
+from threepo.algorithms.noise_mask import MaskedSigma, noised_names
 from threepo.algorithms.param_noise import weights_checksum
 from threepo.algorithms.sampling import sampling_logprobs
 from threepo.services.engines.base import EngineRequest, WeightsMismatch
@@ -46,9 +47,9 @@ class Learner:
         return mean, sigma, weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
 
     @torch.no_grad()
-    def logprobs(self, prompt_ids, token_ids, seed, scale=1.0, **filters) -> np.ndarray:
+    def logprobs(self, prompt_ids, token_ids, seed, scale=1.0, sigma=None, **filters) -> np.ndarray:
         ids = torch.tensor([list(prompt_ids) + list(token_ids)])
-        with self.opt.sampled_params(seed, train=False, scale=scale):
+        with self.opt.sampled_params(seed, train=False, scale=scale, sigma=sigma):
             logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1]
         logp = sampling_logprobs(logits, temperature=filters.get("temperature", 1.0),
                                  top_k=filters.get("top_k", 0), top_p=filters.get("top_p", 1.0))
@@ -86,12 +87,12 @@ def _truncating(backend: str, eng, filters: dict) -> bool:
     return True
 
 
-def _assert_matches_learner(learner, requests, outputs, seed, filters, scale=1.0):
+def _assert_matches_learner(learner, requests, outputs, seed, filters, scale=1.0, sigma=None):
     checked = 0
     for r, samples in zip(requests, outputs):
         assert len(samples) == r.n
         for s in samples:
-            expected = learner.logprobs(r.prompt_ids, s.token_ids, seed, scale, **filters)
+            expected = learner.logprobs(r.prompt_ids, s.token_ids, seed, scale, sigma, **filters)
             np.testing.assert_allclose(s.logprobs, expected, atol=1e-4)
             checked += len(s.token_ids)
     assert checked > 0
@@ -137,6 +138,27 @@ def test_a_scaled_slot_samples_from_m_plus_c_sigma_z_as_the_learner_rebuilds_it(
     eng.serve(NoiseSpec(1, 2026))  # and back to c = 1 for the same seed: no state of the scaled slot left
     again = eng.generate(requests, _params(**filters))
     _assert_matches_learner(learner, requests, again, 2026, filters)
+
+
+def test_a_slot_under_a_noise_mask_is_exactly_the_mean_outside_it(served, learner):
+    """noise.modules=mlp: the learner publishes σ = 0 outside the MLP weights. The engine's slot is the
+    learner's θ̂ built with that σ (the mean outside the mask), not the unmasked θ̂ and not the mean."""
+    backend, eng = served
+    noised = noised_names(list(learner.opt.mean_by_name()), "mlp")
+    mean, sigma, checksum = learner.published()
+    eng.load_version(2, mean, {n: s if n in noised else np.zeros_like(s) for n, s in sigma.items()}, checksum)
+    assert eng.serve(NoiseSpec(2, 2026)).loaded_ok
+    if backend == "hf":  # its served weights can be read by name: m exactly on every masked tensor
+        served_now = eng.served()
+        assert all(torch.equal(served_now[n].float(), torch.from_numpy(m)) for n, m in mean.items() if n not in noised)
+        assert all(not torch.equal(served_now[n].float(), torch.from_numpy(mean[n])) for n in noised)
+    requests = _requests(eng)
+    outputs = eng.generate(requests, _params())
+    _assert_matches_learner(learner, requests, outputs, 2026, {}, sigma=MaskedSigma(learner.opt.sigma_by_name(), noised))
+    with pytest.raises(AssertionError):  # the unmasked slot is another policy: the mask is what is served
+        _assert_matches_learner(learner, requests, outputs, 2026, {})
+    with pytest.raises(AssertionError):  # and the MLP noise is there: not the mean
+        _assert_matches_learner(learner, requests, outputs, None, {})
 
 
 def test_the_same_version_slot_and_request_seed_reproduce_the_completion(served):

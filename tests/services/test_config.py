@@ -23,6 +23,9 @@ def test_defaults_and_overrides():
     ("runtime.steps=1.5", "runtime.steps: expected int"),
     ("algo.group_size=10", "algo.group_size=10: expected a multiple of algo.n_slots=4"),
     ("sampler", "expected section.field=value"),
+    ("noise.modules=embeddings", "noise.modules: expected one of"),
+    ("noise.layers=[1]", "noise.layers: expected [first, last]"),
+    ("noise.layers=[0.5, 1]", "noise.layers[0]: expected int"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):

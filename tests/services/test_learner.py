@@ -6,17 +6,19 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from threepo.algorithms import advantages as adv_math
 from threepo.algorithms import losses
 from threepo.algorithms.exploration import make_plan, update_seed
+from threepo.algorithms.noise_mask import noised_names
 from threepo.algorithms.param_noise import perturbed_state
 from threepo.services.batching import batches_from_groups, collate
 from threepo.services.learner.core import Learner
 from threepo.services.learner.objective import step_rewards
-from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig
+from threepo.services.learner.config import AlgoConfig, NoiseConfig, OptimConfig, SyncConfig
 from threepo.services.messages import Completion, Group, ScoredCompletion, VerifyResult, VerifyStatus
 from threepo.services.modeling import load_model, load_tokenizer, trainable_named_parameters
 from threepo.services.tasks import generate_items
@@ -94,10 +96,10 @@ def _train_seeds(learner) -> list:
     """Records the seed of every IVON training sample the learner takes (sampled_params, train=True)."""
     seen, original = [], learner.optimizer.ivon.sampled_params
 
-    def spy(seed, train=True, scale=1.0):
+    def spy(seed, train=True, scale=1.0, sigma=None):
         if train:
             seen.append(seed)
-        return original(seed, train, scale)
+        return original(seed, train, scale, sigma)
     learner.optimizer.ivon.sampled_params = spy
     return seen
 
@@ -300,6 +302,29 @@ def test_sync_budget_measures_drift_not_the_noise_between_slots(sampler, tiny_de
     assert not first.publish
     second = _step(learner, groups)  # the mean moved: now there is drift
     assert second.metrics["kl_k3_drift"] > m["kl_k3_drift"]
+
+
+@pytest.mark.parametrize("modules", ["all", "mlp", "everything"])
+def test_the_published_sigma_is_zero_outside_the_noise_mask_and_the_drift_is_rebuilt_with_it(
+        sampler, tiny_dense_path, modules):
+    learner = Learner(tiny_dense_path, AlgoConfig(exploration="c3po", n_slots=4, group_size=8), OptimConfig(ess=1e3),
+                      SyncConfig(kappa=1e-3, eta=0.5, max_staleness=4), temperature=1.0, max_new_tokens=10,
+                      noise=NoiseConfig(modules=modules))
+    pv, ivon_sigma = learner.published(), learner.optimizer.ivon.sigma_by_name()
+    noised = noised_names(list(pv.sigma), modules)
+    assert 0 < len(noised) <= len(pv.sigma) and (modules == "everything") == (len(noised) == len(pv.sigma))
+    for name, sigma in pv.sigma.items():
+        want = ivon_sigma[name].numpy() if name in noised else np.zeros_like(sigma)
+        assert np.array_equal(sigma, want), name
+    # rollouts sampled at the published (masked) slots are their own slots rebuilt: no drift yet
+    first = _step(learner, _groups(sampler, learner, "c3po", 4, 8))
+    assert first.metrics["kl_k3_drift"] < 1e-5 and first.metrics["ess_frac_drift"] > 0.999
+
+
+def test_a_noise_mask_that_matches_no_parameter_is_refused(tiny_dense_path):
+    with pytest.raises(ValueError, match="noise.layers"):
+        Learner(tiny_dense_path, AlgoConfig(exploration="c3po", n_slots=4, group_size=8), OptimConfig(), SyncConfig(),
+                temperature=1.0, max_new_tokens=10, noise=NoiseConfig(layers=(5, 9)))
 
 
 def test_a_step_that_publishes_on_staleness_anyway_takes_no_drift_forward(sampler, tiny_dense_path):

@@ -1,0 +1,83 @@
+"""Which weights parameter-space exploration perturbs: a noise mask by parameter name (issue 25;
+param-noise.md).
+
+Careful implementations do not perturb everything: PSN-RLVR perturbs MLP weights, OpenAI's parameter
+noise leaves normalisation layers clean, EGGROLL never perturbs embeddings. A served slot is
+θ̂ = m + c · σ ⊙ z(seed) on the noised tensors and exactly m elsewhere (σ = 0 there, so m + 0 = m in
+any dtype). `noised_names` chooses them:
+- never: embeddings (a name with `embed`, `wte` or `wpe`), the output head (`lm_head`), norms (a
+  name with `norm` or `ln_`), biases (`.bias`), unless `modules = "everything"` (every parameter:
+  the former behaviour);
+- `modules`: "all" (every other weight of the decoder layers), "mlp" (the feed-forward weights,
+  experts and router included), "attention" (the attention projections);
+- `layers` (first, last): the decoder layers noised, inclusive; negative counts from the end
+  (-1: the last layer). A tensor outside any decoder layer is noised only under "everything".
+
+`MaskedSigma` is σ with zeros outside the mask: what the learner publishes for the engines and what
+it rebuilds a served slot with.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+
+NOISE_MODULES = ("all", "mlp", "attention", "everything")
+_LAYER = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
+_MLP = (".mlp.", ".feed_forward.", ".experts.", ".block_sparse_moe.")
+_ATTENTION = (".self_attn.", ".attention.", ".attn.")
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a parameter belongs to (None: outside the layers)."""
+    found = _LAYER.search(name)
+    return int(found.group(1)) if found else None
+
+
+def never_noised(name: str) -> bool:
+    """Embeddings, the output head, norms and biases (module docstring)."""
+    lower = name.lower()
+    return (lower.endswith(".bias") or "embed" in lower or "lm_head" in lower or "norm" in lower
+            or ".ln_" in lower or lower.startswith("ln_") or ".wte." in lower or ".wpe." in lower)
+
+
+def noised_names(names: Iterable[str], modules: str = "all", layers: tuple[int, int] = (0, -1)) -> set[str]:
+    """The names of `names` that get noise under (`modules`, `layers`); see the module docstring."""
+    names = list(names)
+    if modules not in NOISE_MODULES:
+        raise ValueError(f"noise.modules: expected one of {NOISE_MODULES}, got {modules!r}")
+    if modules == "everything":
+        return set(names)
+    found = [layer for layer in map(layer_of, names) if layer is not None]
+    count = max(found) + 1 if found else 0
+    first, last = (i + count if i < 0 else i for i in layers)
+    chosen = set()
+    for name in names:
+        layer = layer_of(name)
+        if layer is None or never_noised(name) or not first <= layer <= last:
+            continue
+        if modules == "mlp" and not any(part in name for part in _MLP):
+            continue
+        if modules == "attention" and not any(part in name for part in _ATTENTION):
+            continue
+        chosen.add(name)
+    return chosen
+
+
+class MaskedSigma(Mapping):
+    """σ of `sigmas` on the names in `noised`, zeros of its shape elsewhere (read when indexed)."""
+
+    def __init__(self, sigmas: Mapping[str, torch.Tensor], noised: set[str]) -> None:
+        self.sigmas, self.noised = sigmas, noised
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        sigma = self.sigmas[name]
+        return sigma if name in self.noised else torch.zeros_like(sigma)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sigmas)
+
+    def __len__(self) -> int:
+        return len(self.sigmas)
