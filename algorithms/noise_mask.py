@@ -14,15 +14,16 @@ any dtype). `noised_names` chooses them:
   (-1: the last layer). A tensor outside any decoder layer is noised only under "everything".
 
 `MaskedSigma` is σ with zeros outside the mask: what the learner publishes for the engines and what
-it rebuilds a served slot with.
+it rebuilds a served slot with. `NoiseConfig` is the run's `[noise]` section. Importing this module
+imports no torch (the config reads it).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Mapping
-
-import torch
+from dataclasses import dataclass
+from typing import Literal
 
 NOISE_MODULES = ("all", "mlp", "attention", "everything")
 _LAYER = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
@@ -66,13 +67,37 @@ def noised_names(names: Iterable[str], modules: str = "all", layers: tuple[int, 
     return chosen
 
 
+@dataclass(frozen=True)
+class NoiseConfig:
+    """The run's `[noise]`: which weights a served slot perturbs (`noised_names`): θ̂ = m + c · σ ⊙ z on
+    them, exactly m elsewhere. The learner publishes σ with zeros outside the mask, so every engine serves
+    it the same way; IVON's own training samples still perturb every weight."""
+
+    modules: Literal["all", "mlp", "attention", "everything"] = "all"
+    """all: every weight of the decoder layers except norms and biases (no noise on embeddings or the
+    output head); mlp: the feed-forward weights; attention: the attention projections; everything:
+    every parameter, embeddings, head, norms and biases included."""
+    layers: tuple[int, int] = (0, -1)
+    """First and last decoder layer whose weights are perturbed, inclusive; negative counts from the
+    end (-1 = the last layer)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if self.modules not in NOISE_MODULES:
+            raise ValueError(f"noise.modules: expected one of {NOISE_MODULES}, got {self.modules!r}")
+        if len(self.layers) != 2 or not all(isinstance(i, int) for i in self.layers):
+            raise ValueError(f"noise.layers: expected [first, last] (integers, -1 = the last layer), got {list(self.layers)}")
+
+
 class MaskedSigma(Mapping):
     """σ of `sigmas` on the names in `noised`, zeros of its shape elsewhere (read when indexed)."""
 
-    def __init__(self, sigmas: Mapping[str, torch.Tensor], noised: set[str]) -> None:
+    def __init__(self, sigmas: Mapping, noised: set[str]) -> None:
         self.sigmas, self.noised = sigmas, noised
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def __getitem__(self, name: str):
+        import torch  # importing this module stays free: the config reads NoiseConfig from it
+
         sigma = self.sigmas[name]
         return sigma if name in self.noised else torch.zeros_like(sigma)
 

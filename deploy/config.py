@@ -25,7 +25,8 @@ from threepo.services.datasets import MAX_NEW_TOKENS, DataConfig
 from threepo.services.engines.base import SamplerConfig
 from threepo.services.errors import UserInputError
 from threepo.services.evaluation import EvalConfig
-from threepo.services.learner.config import AlgoConfig, LearnerConfig, NoiseConfig, OptimConfig, SyncConfig, VP2OConfig
+from threepo.algorithms.noise_mask import NoiseConfig
+from threepo.services.learner.config import AlgoConfig, LearnerConfig, OptimConfig, SyncConfig, VP2OConfig
 from threepo.services.modeling import ModelConfig
 from threepo.services.prompting import PromptConfig
 from threepo.services.tasks import TaskConfig, max_new_tokens_for

@@ -207,30 +207,6 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
-class NoiseConfig:
-    """Which weights a served slot perturbs (algorithms/noise_mask.py): θ̂ = m + c · σ ⊙ z on them,
-    exactly m elsewhere. The learner publishes σ with zeros outside the mask, so every engine serves
-    it the same way; IVON's own training samples still perturb every weight."""
-
-    modules: Literal["all", "mlp", "attention", "everything"] = "all"
-    """all: every weight of the decoder layers except norms and biases (no noise on embeddings or the
-    output head); mlp: the feed-forward weights; attention: the attention projections; everything:
-    every parameter, embeddings, head, norms and biases included."""
-    layers: tuple[int, int] = (0, -1)
-    """First and last decoder layer whose weights are perturbed, inclusive; negative counts from the
-    end (-1 = the last layer)."""
-
-    def __post_init__(self) -> None:
-        from threepo.algorithms.noise_mask import NOISE_MODULES
-
-        object.__setattr__(self, "layers", tuple(self.layers))
-        if self.modules not in NOISE_MODULES:
-            raise ValueError(f"noise.modules: expected one of {NOISE_MODULES}, got {self.modules!r}")
-        if len(self.layers) != 2 or not all(isinstance(i, int) for i in self.layers):
-            raise ValueError(f"noise.layers: expected [first, last] (integers, -1 = the last layer), got {list(self.layers)}")
-
-
-@dataclass(frozen=True)
 class SyncConfig:
     """The sync budget (algorithms.md §3.7): when the learner publishes a new version."""
 

@@ -36,8 +36,8 @@ from threepo.algorithms.exploration import gradient_points
 from threepo.algorithms.param_noise import weights_checksum
 from threepo.algorithms.sync_budget import sync_decision
 from threepo.services.learner.around import make_around
-from threepo.services.learner.config import (AlgoConfig, NoiseConfig, OptimConfig, SyncConfig, VP2OConfig,
-                                             has_drift_process)
+from threepo.algorithms.noise_mask import NoiseConfig
+from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig, VP2OConfig, has_drift_process
 from threepo.services.learner.optimizers import make_optimizer
 from threepo.services.learner.ranks import Ranks, SingleRank
 from threepo.services.batching import TrainBatch, collate

@@ -25,8 +25,8 @@ import contextlib
 import torch
 
 from threepo.algorithms.ivon import IVON
-from threepo.algorithms.noise_mask import MaskedSigma, noised_names
-from threepo.services.learner.config import NoiseConfig, OptimConfig
+from threepo.algorithms.noise_mask import MaskedSigma, NoiseConfig, noised_names
+from threepo.services.learner.config import OptimConfig
 from threepo.services.learner.zero import DeepSpeedAdamW
 
 _IVON_KINDS = ("mean", "hess", "momentum")

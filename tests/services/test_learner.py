@@ -13,12 +13,12 @@ import torch
 from threepo.algorithms import advantages as adv_math
 from threepo.algorithms import losses
 from threepo.algorithms.exploration import make_plan, update_seed
-from threepo.algorithms.noise_mask import noised_names
+from threepo.algorithms.noise_mask import NoiseConfig, noised_names
 from threepo.algorithms.param_noise import perturbed_state
 from threepo.services.batching import batches_from_groups, collate
 from threepo.services.learner.core import Learner
 from threepo.services.learner.objective import step_rewards
-from threepo.services.learner.config import AlgoConfig, NoiseConfig, OptimConfig, SyncConfig
+from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig
 from threepo.services.messages import Completion, Group, ScoredCompletion, VerifyResult, VerifyStatus
 from threepo.services.modeling import load_model, load_tokenizer, trainable_named_parameters
 from threepo.services.tasks import generate_items
