@@ -110,6 +110,21 @@ def correction_weights(kind: str, logp: torch.Tensor, logp_behav: torch.Tensor, 
     raise ValueError(f"kind must be one of none, token_tis, seq_tis, seq_mis, token_mis, got {kind!r}")
 
 
+def capped_fraction(kind: str, logp: torch.Tensor, logp_behav: torch.Tensor, mask: torch.Tensor, *,
+                    cap: float) -> torch.Tensor:
+    """Share of what correction `kind` caps or rejects, the weights' clip fraction: valid tokens with
+    ρ_t > C (token_tis, token_mis) or sequences with Π_s ρ_s > C (seq_tis, seq_mis; sequences with a
+    valid token); 0 for none. A scalar tensor."""
+    if kind == "none":
+        return torch.zeros((), dtype=logp.dtype, device=logp.device)
+    if kind.startswith("token"):
+        over = _token_log_ratio(logp, logp_behav, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) > math.log(cap)
+        return (over & mask.bool()).sum() / mask.sum().clamp(min=1)
+    valid = mask.sum(dim=1) > 0
+    over = _seq_log_ratio(logp, logp_behav, mask) > math.log(cap)
+    return (over & valid).sum() / valid.sum().clamp(min=1)
+
+
 def kish_ess_fraction(log_w: torch.Tensor) -> torch.Tensor:
     """Kish ESS / N of weights w_i = e^{ℓ_i} (§5.7): (Σ w)² / (N Σ w²), in log space as
 

@@ -98,6 +98,8 @@ class PolicyLoss:
         weights, mask_eff = self.correction(prox, behav, mask)
         loss_tok, metrics = self.surrogate(logp, prox, advantages, mask_eff)
         metrics["is_weight_mean"] = (weights.sum(1) / mask.sum(1).clamp(min=1)).mean()
+        metrics["is_clip_frac"] = off_policy.capped_fraction(self.algo.is_correction, prox, behav, mask,
+                                                             cap=self.algo.is_cap)
         return loss_tok * weights, mask_eff, metrics
 
     def surrogate(self, logp, prox, advantages, mask):

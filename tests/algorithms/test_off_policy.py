@@ -10,6 +10,7 @@ import torch
 from threepo.algorithms.losses import aggregate_loss
 from threepo.algorithms.off_policy import (
     behaviour_drift,
+    capped_fraction,
     correction_weights,
     kish_ess_fraction,
     kl_k1,
@@ -202,3 +203,15 @@ def test_correction_weights_of_each_kind_by_hand():
     torch.testing.assert_close(m, torch.tensor([[0.0, 0.0], [1.0, 0.0]], dtype=F64))
     with pytest.raises(ValueError, match="kind"):
         correction_weights("tis", logp, behav, mask, cap=3.0)
+
+
+def test_capped_fraction_counts_what_each_correction_truncates_or_rejects():
+    # tokens ρ = (0.5, 1.5, 3 | 3, pad): C = 2 caps 2 of the 4 valid tokens; sequence products 2.25 and 3
+    logp, behav, mask = _pair([[0.5, 1.5, 3.0], [3.0, 7.0, 1.0]], [[1, 1, 1], [1, 0, 0]])
+    for kind in ("token_tis", "token_mis"):
+        assert float(capped_fraction(kind, logp, behav, mask, cap=2.0)) == pytest.approx(2 / 4)
+    for kind in ("seq_tis", "seq_mis"):
+        assert float(capped_fraction(kind, logp, behav, mask, cap=2.0)) == pytest.approx(2 / 2)
+        assert float(capped_fraction(kind, logp, behav, mask, cap=2.5)) == pytest.approx(1 / 2)
+    assert float(capped_fraction("none", logp, behav, mask, cap=2.0)) == 0.0
+    assert float(capped_fraction("token_tis", behav, behav, mask, cap=2.0)) == 0.0  # on-policy: nothing capped

@@ -321,6 +321,15 @@ def test_the_published_sigma_is_zero_outside_the_noise_mask_and_the_drift_is_reb
     assert first.metrics["kl_k3_drift"] < 1e-5 and first.metrics["ess_frac_drift"] > 0.999
 
 
+def test_the_correction_reports_the_share_it_caps(sampler, tiny_dense_path):
+    # σ ≈ 0.1: each rollout's slot is far from the update's gradient point θ̂′, so its weights are capped
+    learner = _learner(tiny_dense_path, optim=OptimConfig(ess=1e3), is_correction="token_tis")
+    noisy = _step(learner, _groups(sampler, learner, "c3po", 4, 8)).metrics
+    assert 0.0 < noisy["is_clip_frac"] < 1.0
+    grpo = _learner(tiny_dense_path, "grpo", 1, optim=OptimConfig(name="adamw"), is_correction="token_tis")
+    assert _step(grpo, _groups(sampler, grpo, "grpo", 1, 8)).metrics["is_clip_frac"] == 0.0  # on-policy
+
+
 def test_a_noise_mask_that_matches_no_parameter_is_refused(tiny_dense_path):
     with pytest.raises(ValueError, match="noise.layers"):
         Learner(tiny_dense_path, AlgoConfig(exploration="c3po", n_slots=4, group_size=8), OptimConfig(), SyncConfig(),
