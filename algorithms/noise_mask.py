@@ -46,17 +46,16 @@ def never_noised(name: str) -> bool:
 
 def noised_names(names: Iterable[str], modules: str = "all", layers: tuple[int, int] = (0, -1)) -> set[str]:
     """The names of `names` that get noise under (`modules`, `layers`); see the module docstring."""
-    names = list(names)
     if modules not in NOISE_MODULES:
         raise ValueError(f"noise.modules: expected one of {NOISE_MODULES}, got {modules!r}")
     if modules == "everything":
         return set(names)
-    found = [layer for layer in map(layer_of, names) if layer is not None]
+    layer_by_name = {name: layer_of(name) for name in names}
+    found = [layer for layer in layer_by_name.values() if layer is not None]
     count = max(found) + 1 if found else 0
     first, last = (i + count if i < 0 else i for i in layers)
     chosen = set()
-    for name in names:
-        layer = layer_of(name)
+    for name, layer in layer_by_name.items():
         if layer is None or never_noised(name) or not first <= layer <= last:
             continue
         if modules == "mlp" and not any(part in name for part in _MLP):

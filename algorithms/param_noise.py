@@ -144,6 +144,22 @@ def iter_perturbed(means: Mapping[str, torch.Tensor], sigmas: Mapping[str, torch
             yield name, m, m.float().clone()
 
 
+def iter_served(means: Mapping[str, torch.Tensor], sigmas: Mapping[str, torch.Tensor], seed: int | None,
+                scale: float, device: torch.device | str, dtype: torch.dtype, fed: list,
+                energy: list | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, θ̂ cast to `dtype`) one tensor at a time on `device`, for a backend's own loader
+    (`iter_perturbed`): appends each cast tensor's `value_fingerprint` to `fed` (their
+    `combined_fingerprint` is what the backend must hold once loaded) and, given `energy` = [a, b],
+    adds each tensor's `served_noise_ratio` to it."""
+    for name, m, theta in iter_perturbed(means, sigmas, seed, scale, device):
+        cast = theta.to(dtype)
+        fed.append(value_fingerprint([cast]))
+        if energy is not None:
+            a, b = served_noise_ratio(m, theta, dtype)
+            energy[0], energy[1] = energy[0] + a, energy[1] + b
+        yield name, cast
+
+
 def perturbed_state(
     means: Mapping[str, torch.Tensor], sigmas: Mapping[str, torch.Tensor], seed: int | None, scale: float = 1.0
 ) -> dict[str, torch.Tensor]:

@@ -78,7 +78,7 @@ class Loop:
     roles: Roles
     ledger: Ledger
     log: RunLog
-    inflight: dict = field(default_factory=dict)   # ref -> the Event its result is
+    inflight: dict[object, Event] = field(default_factory=dict)  # ref -> the event its result is
     batches: dict = field(default_factory=dict)    # batch key -> (batch ref, score ref), while a group needs it
     weights: dict = field(default_factory=dict)    # version -> ref of its (mean, σ, checksum)
     learning: list = field(default_factory=list)   # (step, result ref, version ref) in flight, oldest first

@@ -135,8 +135,7 @@ def evaluate(generate: GenerateFn, items: Sequence[TaskItem], verify: VerifyFn,
 class Evaluator:
     """The evaluation service: a policy's completions of `items`, encoded by `prompts`, scored by a
     verifier pool built from the run's `[verifier]` (`verifier`; the remote sandbox's `token`, read
-from `verifier.auth_env` in this process when None),
-    as training scores them. The policy is an hf engine serving a checkpoint (`serving`: `threepo
+    from `verifier.auth_env` in this process when None), as training scores them. The policy is an hf engine serving a checkpoint (`serving`: `threepo
     eval`, the evaluations around training, the evaluator actor, which `load`s each published mean)
     or a live model (`of_model`: the bootstrap). Close it to free the engine and the pool."""
 
@@ -161,14 +160,17 @@ from `verifier.auth_env` in this process when None),
     @classmethod
     def of_model(cls, model, prompts: PromptEncoder, items: Sequence[TaskItem],
                  verifier: VerifierConfig | None = None) -> Evaluator:
-        """A live model (e.g. one being trained), decoded in eval mode by the hf engine's loop."""
+        """A live model (e.g. one being trained) as its weights are now, decoded in eval mode by the hf
+        engine's loop (the lean decoder copies them once, here: build one per evaluation)."""
         from threepo.services.engines.decoding import generate, own_decoder
+
+        lean = own_decoder(model)
 
         def sample(requests, params):
             was_training = model.training
             model.eval()
             try:
-                return generate(model, prompts.tokenizer, requests, params, batch_size=256, lean=own_decoder(model))
+                return generate(model, prompts.tokenizer, requests, params, batch_size=256, lean=lean)
             finally:
                 model.train(was_training)
 

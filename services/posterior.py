@@ -5,9 +5,9 @@ The learner owns the training state and publishes (m, σ) in fp32 as a new versi
 a read-only copy, makes that version's plan (`algorithms.exploration.make_plan`) and hands every
 engine (m, σ) once per version — one transfer whatever the number of slots, since engines
 regenerate the noise from the plan's seeds. A version stays available while rollouts sampled from it
-are in flight (reference counts, which the driver's version ledger takes and drops) or while it is
-the current one; others are dropped. Each version carries the exact checksum of its mean as the learner published it: engines
-check the mean they receive against it, and the driver checks every completion's reported mean
+are in flight (reference counts, which the driver's ledger takes and drops) or while it is the
+current one; others are dropped. Each version carries the exact checksum of its mean as the learner
+published it: engines check the mean they receive against it, and the driver checks every completion's reported mean
 checksum against it — the server never rebuilds perturbed models (that work is the engines', on
 their own devices).
 
@@ -18,10 +18,10 @@ learner (`param_noise.posterior_sigma`), so engines need no IVON hyperparameters
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
-import dataclasses
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -43,7 +43,7 @@ class PosteriorConfig:
     equal_compute: bool = True
     """M3PO only when False: G rollouts per slot instead of G/M (algorithms.md §2.3)."""
     base_seed: int = 0
-    """Root of every plan seed (slot and gradient seeds are hashed from it and the version)."""
+    """Root of every plan seed (slot seeds are hashed from it and the version)."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -109,8 +109,8 @@ class PosteriorServer:
     def publish(self, pv: PublishedVersion, hold: bool = False) -> VersionPlan:
         """Store `pv` as the next version (the current one + 1; the first is 0) and return its plan.
         The server numbers versions: it is their one owner. `hold`: the version starts with one
-        reference, its publisher's (the driver's ledger holds the version it admits at until it has taken
-        in a newer one, so a version published meanwhile cannot drop it)."""
+        reference, its publisher's (the driver's ledger holds the version it admits at until it has
+        taken in a newer one, so a version published meanwhile cannot drop it)."""
         version = self._current + 1
         mean = _frozen_fp32(pv.mean, f"version {version}: mean")
         sigma = None if pv.sigma is None else _frozen_fp32(pv.sigma, f"version {version}: sigma")

@@ -86,15 +86,9 @@ def _serve(model: torch.nn.Module, tensors: dict) -> None:
     if seed is not None and state["sigma"] is None:
         raise RuntimeError(f"threepo: version {state['version']} has no σ, so seed {seed} cannot be served")
     first, fed = next(model.parameters()), []
-
-    def served():
-        for name, _, theta in param_noise.iter_perturbed(state["mean"], state["sigma"] or {}, seed, scale, first.device):
-            cast = theta.to(first.dtype)
-            fed.append(param_noise.value_fingerprint([cast]))
-            yield name, cast
-
     state["loaded"] = None  # until the load below has completed
-    model.load_weights(served())
+    model.load_weights(param_noise.iter_served(state["mean"], state["sigma"] or {}, seed, scale, first.device,
+                                               first.dtype, fed))
     state["loaded"] = _fingerprint(model)
     single_rank = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
     if single_rank and state["loaded"] != param_noise.combined_fingerprint(fed):

@@ -43,8 +43,7 @@ import numpy as np
 
 from threepo.services.engines.base import (EngineRequest, GeneratedSample, SamplerConfig, ServeReport,
                                            WeightsMismatch)
-from threepo.services.engines.staging import remove_staged as _remove
-from threepo.services.engines.staging import stage_version, staging_dir
+from threepo.services.engines.staging import remove_staged, stage_version, staging_dir
 from threepo.services.messages import NoiseSpec, SamplingParams
 
 WORKER_EXTENSION = "threepo.services.engines.vllm_worker.ThreepoWorkerExtension"
@@ -94,14 +93,14 @@ class VLLMEngine:
         try:
             received = self.llm.collective_rpc("threepo_load_version", args=args)
         except BaseException:
-            _remove(path)
+            remove_staged(path)
             raise
         wrong = [c for c in received if c != mean_checksum]
         if wrong:
-            _remove(path)
+            remove_staged(path)
             raise WeightsMismatch(f"engine {self.engine_id}: the mean of version {version} has checksum "
                                   f"{wrong[0]} on a worker, the learner published {mean_checksum}")
-        _remove(self.staged)  # the workers mapped the new file; the old mapping went with the old tensors
+        remove_staged(self.staged)  # the workers mapped the new file; the old mapping went with the old tensors
         self.staged = path
         self.version, self.mean_checksum = version, mean_checksum
         self.llm.reset_prefix_cache()
@@ -153,7 +152,7 @@ class VLLMEngine:
 
         del self.llm
         gc.collect()
-        _remove(self.staged)
+        remove_staged(self.staged)
 
 
 def _sample(c) -> GeneratedSample:

@@ -66,20 +66,10 @@ class ThreepoWorkerExtension:
         """Load θ̂ = m + c · σ ⊙ z(seed), c = `scale` (seed None: the mean) through vLLM's reload path,
         built and streamed tensor by tensor; report whether the model holds exactly what was fed, and
         the served / intended noise energies."""
-        dtype = self.model_config.dtype
         fed, energy = [], [0.0, 0.0]
-
-        def weights():
-            for name, m, theta in param_noise.iter_perturbed(self._threepo_mean, self._threepo_sigma or {}, seed,
-                                                             scale, self.device):
-                cast = theta.to(dtype)
-                fed.append(param_noise.value_fingerprint([cast]))
-                if seed is not None:
-                    a, b = param_noise.served_noise_ratio(m, theta, dtype)
-                    energy[0], energy[1] = energy[0] + a, energy[1] + b
-                yield name, cast
-
-        self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+        weights = param_noise.iter_served(self._threepo_mean, self._threepo_sigma or {}, seed, scale, self.device,
+                                          self.model_config.dtype, fed, energy if seed is not None else None)
+        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         _repack_tied_cpu_weights(self.model_runner.get_model())
         expected = param_noise.combined_fingerprint(fed)
         self._threepo_loaded = self._threepo_fingerprint()

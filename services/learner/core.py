@@ -85,11 +85,11 @@ class Learner:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         plain_head(self.model)  # probed now, before any hook watches a forward
         self.named = trainable_named_parameters(self.model)
-        self.budget, self.checkpointing = activation_mb << 20, gradient_checkpointing  # learner_memory.py
+        self.budget, self.checkpointing = activation_mb << 20, gradient_checkpointing  # learner/memory.py
         self.bf16 = bf16  # mixed precision: the steps' matmuls in bfloat16, everything kept in fp32
         self.chunk = head_chunk(self.model.config, self.budget)
         self.ref_model = load_model(model_path).to(self.device).eval() if algo.kl_coef else None
-        # the drift forwards at slot weights in a process beside the update (learner_config.has_drift_process)
+        # the drift forwards at slot weights in a process beside the update (config.has_drift_process)
         self.beside = (BesideProcess(model_path, self.named, temperature, self.chunk, bf16) if beside and has_drift_process(
             optim.name, self.ranks.world, deepspeed_stage, self.device.type) else None)
         self.optimizer = make_optimizer(self.model, self.named, optim, self.ranks, deepspeed_stage, noise or NoiseConfig())

@@ -61,11 +61,6 @@ def make_estimator(algo: AlgoConfig):
     raise ValueError(f"algo.advantage: expected grpo, dr_grpo or lampo, got {algo.advantage!r}")
 
 
-def step_rewards(batch: TrainBatch, algo: AlgoConfig) -> torch.Tensor:
-    """The [B/G, G] rewards `algo.advantage` uses: the verifier's, plus λ_sem·ROUGE-L for LamPO."""
-    return make_estimator(algo).rewards(batch)
-
-
 def step_advantages(estimator, batch: TrainBatch, rewards: torch.Tensor,
                     logp_prox: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
     """Per-rollout advantages [B] of `estimator` from the [B/G, G] reward matrix, and their metrics."""

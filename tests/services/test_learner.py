@@ -17,7 +17,7 @@ from threepo.algorithms.noise_mask import NoiseConfig, noised_names
 from threepo.algorithms.param_noise import perturbed_state
 from threepo.services.batching import batches_from_groups, collate
 from threepo.services.learner.core import Learner
-from threepo.services.learner.objective import step_rewards
+from threepo.services.learner.objective import make_estimator
 from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig
 from threepo.services.messages import Completion, Group, ScoredCompletion, VerifyResult, VerifyStatus
 from threepo.services.modeling import load_model, load_tokenizer, trainable_named_parameters
@@ -286,7 +286,7 @@ def test_lampo_compares_sequences_under_one_recomputed_policy(sampler, tiny_dens
     with torch.no_grad(), c.optimizer.ivon.sampled_params(update_seed(0, 0, 0, 0), train=False):
         logits = c.model(input_ids=batch.input_ids, attention_mask=batch.attn).logits[:, :-1]
     seq = adv_math.sequence_logprob(losses.token_logprobs(logits, batch.targets, 1.0), batch.mask, "sum")
-    rewards = step_rewards(batch, c.algo)
+    rewards = make_estimator(c.algo).rewards(batch)
     expected = adv_math.lampo_advantages(rewards, seq.view_as(rewards), tau=c.algo.lampo_tau)
     assert ra.metrics["advantage_mean"] == pytest.approx(float(expected.mean()), abs=1e-5)
 
