@@ -15,9 +15,11 @@ None is the clean mean (σ = 0). For one prompt, every slot produces `rollouts_p
 | c3po | N seeded | G/N | 1 × G shared by all slots | a fresh θ̂′ |
 
 Seeds come from a stable hash of (base_seed, version, slot) (`param_noise.tensor_seed`, blake2b),
-so every process derives the same plan. A slot may carry a σ multiplier c (`Slot.scale`,
-θ̂ = m + c · σ ⊙ z): the plans `make_plan` builds have c = 1; `ExplorationPlan.scaled` is the variant
-the driver serves a re-admitted prompt from (dead-group-aware exploration, deploy/bookkeeping.py).
+so every process derives the same plan, unless the learner's noise control chose a version's seeds and
+σ scale (`noise_seed`, `ExplorationPlan.with_slots`: held to a target KL, a slot over the gate redrawn).
+A slot carries a σ multiplier c (`Slot.scale`, θ̂ = m + c · σ ⊙ z): 1 in the plans `make_plan` builds;
+`ExplorationPlan.scaled` multiplies it for a re-admitted prompt (dead-group-aware exploration,
+deploy/bookkeeping.py).
 The gradient sample is fresh for every learner update
 (`update_seed`, `gradient_points`): a version lives for several learner steps (the sync budget), and
 IVON's Price estimate ĥ = λ(h+δ) ε ⊙ ĝ assumes a new ε every step (§1.2), so B3PO and M3PO cannot
@@ -45,9 +47,9 @@ KINDS = ("grpo", "b3po", "m3po", "c3po")
 
 @dataclass(frozen=True)
 class Slot:
-    """One perturbation slot of a plan: θ̂ = m + c · σ ⊙ z(seed), c = `scale` (1 in every plan the
-    posterior server makes; `ExplorationPlan.scaled` gives the re-admission variant); `seed=None` is
-    the clean mean (c = 1)."""
+    """One perturbation slot of a plan: θ̂ = m + c · σ ⊙ z(seed), c = `scale` (the noise control's
+    scale, times a re-admission's multiplier: `ExplorationPlan.scaled`); `seed=None` is the clean
+    mean (c = 1)."""
 
     index: int
     seed: int | None
@@ -91,15 +93,23 @@ class ExplorationPlan:
         return len(self.slots) * self.rollouts_per_slot
 
     def scaled(self, scale: float) -> ExplorationPlan:
-        """This plan with every slot's σ multiplied by `scale`: θ̂_k = m + c · σ ⊙ z(seed_k), same seeds,
+        """This plan with every slot's σ multiplier c multiplied by `scale`: θ̂_k = m + c · σ ⊙ z(seed_k), same seeds,
         grouping and gradient point. Dead-group-aware exploration serves a re-admitted prompt from it
         (c > 1 where every rollout failed, c < 1 where every rollout passed); the rollouts report
         behaviour log-probs of what was served, and whoever rebuilds a slot uses the same c.
         Raises ValueError for grpo (σ = 0: there is no noise to scale) unless scale is 1."""
         if scale != 1.0 and self.kind == "grpo":
             raise ValueError(f"scale={scale}: grpo serves the mean (σ = 0), there is no noise to scale")
-        return dataclasses.replace(self, slots=tuple(Slot(s.index, s.seed, scale if s.seed is not None else 1.0)
+        return dataclasses.replace(self, slots=tuple(Slot(s.index, s.seed, s.scale * scale if s.seed is not None else 1.0)
                                                       for s in self.slots))
+
+    def with_slots(self, slots: list[tuple[int, float]]) -> ExplorationPlan:
+        """This plan with each slot's (seed, scale) replaced, grouping unchanged: the learner's noise
+        control draws the seeds of a version's slots and sets their scale (`noise_seed`;
+        services/learner/noise_control.py). Raises ValueError unless there is one pair per slot."""
+        if len(slots) != len(self.slots):
+            raise ValueError(f"with_slots: {len(slots)} (seed, scale) pairs for a plan of {len(self.slots)} slots")
+        return dataclasses.replace(self, slots=tuple(Slot(i, seed, scale) for i, (seed, scale) in enumerate(slots)))
 
     def group_of(self, slot_index: int) -> int:
         """Index (within its prompt) of the advantage group that slot `slot_index`'s rollouts join:
@@ -113,6 +123,13 @@ def plan_seed(base_seed: int, version: int, label: str) -> int:
     """Stable 63-bit seed of one plan entry: blake2b(base_seed, "v<version>/<label>"); label is
     "slot<i>" for slot i. Never Python's per-process `hash`."""
     return tensor_seed(base_seed, f"v{version}/{label}")
+
+
+def noise_seed(base_seed: int, step: int, slot: int, draw: int) -> int:
+    """Seed of draw `draw` of slot `slot` of the version the learner publishes at step `step`, when its
+    noise control chooses the seeds (a slot redrawn by the KL gate takes the next draw):
+    blake2b(base_seed, "publish<step>/slot<slot>/draw<draw>"), disjoint from `plan_seed`'s and `update_seed`'s labels."""
+    return tensor_seed(base_seed, f"publish{step}/slot{slot}/draw{draw}")
 
 
 def update_seed(base_seed: int, step: int, update: int, sample: int = 0) -> int:

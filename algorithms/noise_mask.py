@@ -79,9 +79,25 @@ class NoiseConfig:
     layers: tuple[int, int] = (0, -1)
     """First and last decoder layer whose weights are perturbed, inclusive; negative counts from the
     end (-1 = the last layer)."""
+    target_kl: float = 0.01
+    """The per-token KL(π_θ̂ ‖ π_m) in nats that served slots are held at (algorithms/noise_scale.py):
+    each version serves θ̂ = m + c · σ ⊙ z with IVON's σ as the noise's shape and the scale c set by
+    the KL measured on a probe of recent rollouts. 0 = no control (c = 1: σ as IVON learned it)."""
+    gate: float = 4.0
+    """A slot whose probe KL exceeds gate × target_kl is redrawn (a new seed, up to 3 times; the
+    closest draw is kept if none passes). 0 = no gate; without a target (target_kl = 0) there is none."""
+    probe_rows: int = 4
+    """Rollouts of the latest step (evenly spread over its groups; at the start, training prompts)
+    on whose first 64 predicted tokens each slot's KL is measured."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
+        if not self.target_kl >= 0:
+            raise ValueError(f"noise.target_kl: expected >= 0 (nats per token; 0 = no control), got {self.target_kl}")
+        if not self.gate == 0 and not self.gate > 1:
+            raise ValueError(f"noise.gate: expected 0 (off) or > 1 (a multiple of noise.target_kl), got {self.gate}")
+        if not isinstance(self.probe_rows, int) or self.probe_rows < 1:
+            raise ValueError(f"noise.probe_rows: expected an integer >= 1, got {self.probe_rows!r}")
         if self.modules not in NOISE_MODULES:
             raise ValueError(f"noise.modules: expected one of {NOISE_MODULES}, got {self.modules!r}")
         if len(self.layers) != 2 or not all(isinstance(i, int) for i in self.layers):

@@ -300,7 +300,7 @@ def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str,
                   threads=max(1, int(rt.learner_cpus)), vp2o=cfg.vp2o, device=cfg.learner.device,
                   deepspeed_stage=cfg.learner.deepspeed_stage, shared_prefix=cfg.learner.shared_prefix,
                   activation_mb=cfg.learner.activation_mb, gradient_checkpointing=cfg.learner.gradient_checkpointing,
-                  bf16=cfg.learner.bf16, noise=cfg.noise,
+                  bf16=cfg.learner.bf16, noise=cfg.noise, noise_prompts=noise_prompts(cfg, policy_path),
                   beside=(cores or CorePlacement(cfg)).drift_process, checkpoint=checkpoint, rollout_log=log)
     if cfg.learner.grouped:  # R ranks behind the same methods (deploy/learner_group.py)
         from threepo.deploy.learner_group import start_learner_group
@@ -311,6 +311,16 @@ def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str,
                                                          num_gpus=int(cfg.learner.device == "cuda"),
                                                          name=f"{name}-learner{suffix}").remote(*args, **kwargs)
     roles.starts += 1
+
+
+def noise_prompts(cfg: RunConfig, policy_path: str) -> list[list[int]]:
+    """The first `noise.probe_rows` training prompts as the samplers encode them: the learner's noise
+    control sets the first version's σ scale on them (services/learner/noise_control.py)."""
+    from threepo.services.datasets import train_items
+    from threepo.services.prompting import PromptEncoder
+
+    encoder = PromptEncoder.from_path(policy_path, cfg.prompt)
+    return [list(encoder.encode(item.prompt, item.verifier)) for item in train_items(cfg.data, cfg.task)[:cfg.noise.probe_rows]]
 
 
 def kill_role(actor) -> None:

@@ -95,6 +95,11 @@ def record_learner_metrics(handles: dict, result, groups: list, algorithm: str) 
     handles["threepo_zero_advantage_groups_ratio"].set(m["zero_adv_frac"], **label)
     handles["threepo_malformed_rollouts_ratio"].set(m["malformed_rate"], **label)
     handles["threepo_rescued_groups_total"].inc(m["rescued_groups"], **label)
+    if "noise_scale" in m:  # the noise control's latest version (services/learner/noise_control.py)
+        handles["threepo_noise_scale"].set(m["noise_scale"], **label)
+        handles["threepo_noise_kl"].set(m["noise_kl"], **label)
+        if result.publish:
+            handles["threepo_noise_redraws_total"].inc(m["noise_redraws"], **label)
     handles["threepo_learner_step_seconds"].observe(m["step_time_s"], **label)
     handles["threepo_learner_step"].set(result.step)
     for g in groups:

@@ -289,11 +289,14 @@ class ConsumedStep:
 class PublishedVersion:
     """A posterior version as the learner publishes it: fp32 mean and σ by parameter name, and the
     exact checksum of the mean (`param_noise.weights_checksum`) every engine checks on receipt. The
-    posterior server numbers versions (it owns them)."""
+    posterior server numbers versions (it owns them). `slots`: (seed, σ scale) of each slot the
+    version serves, as the learner's noise control chose them (services/learner/noise_control.py);
+    None: the server draws the seeds of its plan itself, at scale 1."""
 
     learner_step: int
     reason: str
     mean: dict  # {name: np.ndarray fp32}
     sigma: dict | None  # {name: np.ndarray fp32}; None when the optimizer has no posterior (AdamW)
     mean_checksum: str
+    slots: tuple | None = None  # ((seed, scale), ...) one per slot
 

@@ -299,6 +299,11 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "algorithm"),
     _g("threepo_ess_ratio", "Effective sample size of the step's importance weights divided by the "
        "number of completions.", "algorithm"),
+    _g("threepo_noise_scale", "Sigma scale c the latest version's slots serve (theta = m + c * sigma * z; noise control).",
+       "algorithm"),
+    _g("threepo_noise_kl", "Per-token KL of the latest version's slots to the mean, on the noise control's probe.",
+       "algorithm"),
+    _c("threepo_noise_redraws_total", "Slots redrawn by the noise KL gate.", "algorithm"),
     _h("threepo_learner_step_seconds", "Wall time of one learner step.", SECONDS_BUCKETS, "algorithm"),
     _g("threepo_learner_step", "Learner steps taken."),
     _g("threepo_policy_version", "Latest published posterior version."),

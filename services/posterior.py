@@ -2,7 +2,8 @@
 each version stays available (architecture.md role 1; algorithms.md §1.6).
 
 The learner owns the training state and publishes (m, σ) in fp32 as a new version; the server keeps
-a read-only copy, makes that version's plan (`algorithms.exploration.make_plan`) and hands every
+a read-only copy, makes that version's plan (`algorithms.exploration.make_plan`, with the slots' seeds
+and σ scale the learner's noise control chose when it sends them) and hands every
 engine (m, σ) once per version — one transfer whatever the number of slots, since engines
 regenerate the noise from the plan's seeds. A version stays available while rollouts sampled from it
 are in flight (reference counts, which the driver's ledger takes and drops) or while it is the
@@ -122,6 +123,8 @@ class PosteriorServer:
         cfg = self.cfg
         plan = make_plan(cfg.kind, version=version, base_seed=cfg.base_seed, group_size=cfg.group_size,
                          n_slots=cfg.n_slots, equal_compute=cfg.equal_compute)
+        if pv.slots is not None:  # the learner's noise control chose the seeds and the σ scale
+            plan = plan.with_slots(pv.slots)
         if sigma is None and cfg.kind != "grpo":
             raise ValueError(f"version {version}: sigma is None, but the {cfg.kind} plan has seeded "
                              "slots (publish σ, or use kind='grpo')")
@@ -251,12 +254,13 @@ def load_posterior(directory: str, cfg: PosteriorConfig | None = None) -> Poster
 
 def _plan_state(plan: ExplorationPlan) -> dict:
     out = asdict(plan)
-    out["slots"] = [[s["index"], s["seed"]] for s in out["slots"]]
+    out["slots"] = [[s["index"], s["seed"], s["scale"]] for s in out["slots"]]
     return out
 
 
 def _plan_from_state(saved: dict) -> ExplorationPlan:
     """The saved plan (fields the plan no longer has, e.g. an older checkpoint's gradient_seed, are left out)."""
-    slots = tuple(Slot(int(i), None if s is None else int(s)) for i, s in saved["slots"])
+    slots = tuple(Slot(int(i), None if s is None else int(s), float(c[0]) if c else 1.0)  # older: no scale
+                  for i, s, *c in saved["slots"])
     known = {f.name for f in dataclasses.fields(ExplorationPlan)}
     return ExplorationPlan(**{k: v for k, v in saved.items() if k in known and k != "slots"}, slots=slots)

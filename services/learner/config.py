@@ -83,10 +83,13 @@ class AlgoConfig:
     plain retry — the only kind grpo, which serves the mean, has)."""
     solved_group_scale: float = 1.0
     """σ multiplier of a re-admitted all-pass prompt's slots; 1 = all-pass prompts are not re-admitted."""
-    is_correction: Literal["none", "token_tis", "seq_tis", "seq_mis", "token_mis"] = "seq_tis"
+    is_correction: Literal["none", "token_tis", "seq_tis", "seq_mis", "token_mis"] = "token_tis"
     """Off-policy correction π_prox/μ against each rollout's own behaviour log-probs (§5.6): truncated
     (tis: weights capped at `is_cap`) or masked (mis: sequences or tokens above it rejected), per token
-    or per sequence."""
+    or per sequence. Token-level by default: PSN-RLVR found parameter noise without a correction worse
+    than GRPO and better with a capped token-level one (a product over a sequence's tokens caps almost
+    every sequence once slots differ from the gradient point). The share capped is `is_clip_frac`, the
+    effective sample size `ess_frac`."""
     is_cap: float = 2.0
     """Truncation / rejection threshold C of the importance weights."""
     entropy_coef: float = 0.0

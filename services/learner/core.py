@@ -16,9 +16,14 @@ of its own beside the update (services/learner/beside.py). As one of R data-para
 services/learner/ranks.py) it computes its share of each point's rows, on gradients summed over the
 ranks, and IVON steps only the tensors this rank owns.
 
+When the budget publishes, the noise control (services/learner/noise_control.py) chooses the new
+version's slots — seeds, and the σ scale that holds their KL to the mean at noise.target_kl — on a
+probe of the step's rollouts; `published` sends them with (m, σ).
+
 Every variant is chosen once, in `__init__`: the optimizer (`make_optimizer`), the advantage
-estimator and the policy loss (services/learner/objective.py), and what runs around the
-optimizer step (services/learner/around.py: nothing, or VP2O). The step asks them; it tests no names.
+estimator and the policy loss (services/learner/objective.py), what runs around the optimizer step
+(services/learner/around.py: nothing, or VP2O) and the noise control (or none). The step asks them;
+it tests no names.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from threepo.services.messages import CompletionBatch, GroupRows, PublishedVersi
 from threepo.services.modeling import load_model, trainable_named_parameters
 from threepo.services.learner.beside import BesideProcess, Pending
 from threepo.services.learner.objective import group_metrics, make_estimator, make_policy_loss, step_advantages
+from threepo.services.learner.noise_control import make_noise_control
 from threepo.services.learner.memory import (bytes_per_position, denominators, head_chunk, micro_batches,
                                              over_micro_batches)
 from threepo.services.prefix_forward import plain_head, prompt_runs, row_logprobs, row_token_stats
@@ -73,7 +79,7 @@ class Learner:
                  vp2o: VP2OConfig | None = None, ranks: Ranks | None = None, device: str = "cpu",
                  deepspeed_stage: int = -1, shared_prefix: bool = True, beside: bool = False,
                  activation_mb: int = 0, gradient_checkpointing: bool = False, bf16: bool = False,
-                 noise: NoiseConfig | None = None) -> None:
+                 noise: NoiseConfig | None = None, noise_prompts: list[list[int]] | None = None) -> None:
         torch.set_num_threads(threads)
         # a confident policy's softmax underflows into denormals, which made CPU steps ~1.8x slower
         torch.set_flush_denormal(True)
@@ -92,7 +98,12 @@ class Learner:
         # the drift forwards at slot weights in a process beside the update (config.has_drift_process)
         self.beside = (BesideProcess(model_path, self.named, temperature, self.chunk, bf16) if beside and has_drift_process(
             optim.name, self.ranks.world, deepspeed_stage, self.device.type) else None)
-        self.optimizer = make_optimizer(self.model, self.named, optim, self.ranks, deepspeed_stage, noise or NoiseConfig())
+        noise = noise or NoiseConfig()
+        self.optimizer = make_optimizer(self.model, self.named, optim, self.ranks, deepspeed_stage, noise)
+        self.noise = make_noise_control(noise, serves_noise=self.optimizer.variational and algo.exploration != "grpo",
+                                        n_slots=algo.n_slots, base_seed=algo.seed, temperature=temperature,
+                                        prompts=noise_prompts, device=self.device)
+        self.slots = None  # (seed, scale) of the slots of the version published last (noise control)
         self.estimator, self.loss = make_estimator(algo), make_policy_loss(algo)
         self.around = make_around(self.model, self.optimizer, (vp2o or VP2OConfig()) if algo.vp2o else None)
         self.step_count, self.steps_since_sync = 0, 0
@@ -138,9 +149,12 @@ class Learner:
                    "updates": float(len(updates)), "filtered_groups": float((~keep).sum())}
         drift = (metrics["kl_k3_drift"], metrics["ess_frac_drift"]) if len(measured) else _NO_DRIFT
         decision = self._sync_decision(*drift, self.steps_since_sync)
+        self.noise.observe(batch.input_ids, batch.attn, batch.mask)
         if decision.publish:
             self.around.on_sync()
             self.steps_since_sync = 0
+            self.slots = self.noise.plan(self.model, self.optimizer, self.step_count)
+        metrics.update(self.noise.latest)
         metrics["step_time_s"] = time.perf_counter() - started
         metrics.update(self.optimizer.metrics())
         return StepResult(step=self.step_count, metrics=metrics, publish=decision.publish,
@@ -286,23 +300,26 @@ class Learner:
         next version) with the mean's exact checksum, which every engine checks on receipt; `reason`
         records why it is published (start, kl, ess, staleness). Among R ranks rank 0 returns it,
         gathered from the owners; the other ranks return None."""
+        if self.slots is None:  # the first version: its slots are chosen now (the noise control)
+            self.slots = self.noise.plan(self.model, self.optimizer, self.step_count)
         parts = self.optimizer.published()
         if parts is None:
             return None
         mean, sigma = parts
         checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
         return PublishedVersion(learner_step=self.step_count, reason=reason, mean=mean, sigma=sigma,
-                                mean_checksum=checksum)
+                                mean_checksum=checksum, slots=None if self.slots is None else tuple(self.slots))
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Tensors and metadata of everything needed to continue exactly, asked of each part: the step
         counters, the optimizer's state (this rank's) and VP2O's (services/learner/checkpoint.py writes them)."""
         tensors, meta = self.optimizer.state()
-        meta = {"step": self.step_count, "steps_since_sync": self.steps_since_sync, **meta}
+        meta = {"step": self.step_count, "steps_since_sync": self.steps_since_sync, **meta, **self.noise.state()}
         return {**tensors, **self.around.state()}, meta
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """Put each part back into the state `state` described."""
         self.step_count, self.steps_since_sync = meta["step"], meta["steps_since_sync"]
+        self.noise.load_state(meta)
         self.around.load_state(tensors)
         self.optimizer.load_state({k: v for k, v in tensors.items() if not k.startswith("vp2o/")}, meta)

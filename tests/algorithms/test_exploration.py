@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from threepo.algorithms.exploration import ExplorationPlan, Slot, gradient_points, make_plan, plan_seed, update_seed
+from threepo.algorithms.exploration import (ExplorationPlan, Slot, gradient_points, make_plan, noise_seed, plan_seed,
+                                           update_seed)
 
 
 def test_grpo_one_clean_slot():
@@ -104,7 +105,7 @@ def test_a_scaled_plan_keeps_seeds_and_grouping_and_scales_every_slot():
     hot = plan.scaled(2.0)
     assert [s.seed for s in hot.slots] == [s.seed for s in plan.slots] and {s.scale for s in hot.slots} == {2.0}
     assert (hot.group_size, hot.rollouts_per_slot) == (8, 2)
-    assert hot.scaled(1.0) == plan
+    assert plan.scaled(1.0) == plan and hot.scaled(0.5) == plan
     grpo = make_plan("grpo", version=0, base_seed=1, group_size=8, n_slots=1)
     assert grpo.scaled(1.0) == grpo
     with pytest.raises(ValueError, match="no noise to scale"):
@@ -113,6 +114,26 @@ def test_a_scaled_plan_keeps_seeds_and_grouping_and_scales_every_slot():
         plan.scaled(0.0)
     with pytest.raises(ValueError, match="1 for the mean"):
         dataclasses.replace(grpo, slots=(Slot(0, None, 2.0),))
+
+
+def test_a_scaled_plan_multiplies_the_scale_its_slots_already_have():
+    plan = make_plan("c3po", version=3, base_seed=1, group_size=8, n_slots=4)
+    chosen = plan.with_slots([(noise_seed(1, 5, i, 0), 0.25) for i in range(4)])
+    assert [s.seed for s in chosen.slots] == [noise_seed(1, 5, i, 0) for i in range(4)]
+    assert (chosen.group_size, chosen.rollouts_per_slot, chosen.version) == (8, 2, 3)
+    assert {s.scale for s in chosen.scaled(2.0).slots} == {0.5}  # the control's c times the re-admission's
+    with pytest.raises(ValueError, match="3 .seed, scale. pairs for a plan of 4 slots"):
+        plan.with_slots([(1, 1.0)] * 3)
+    with pytest.raises(ValueError, match="scales must be > 0"):
+        plan.with_slots([(1, 0.0)] * 4)
+
+
+def test_noise_seeds_differ_by_step_slot_and_draw_and_are_never_a_plan_or_update_seed():
+    seeds = {noise_seed(3, step, slot, draw) for step in range(4) for slot in range(4) for draw in range(4)}
+    assert len(seeds) == 64
+    plans = {s.seed for v in range(4) for s in make_plan("c3po", version=v, base_seed=3, group_size=8, n_slots=4).slots}
+    updates = {update_seed(3, step, u, k) for step in range(4) for u in range(4) for k in range(4)}
+    assert not seeds & plans and not seeds & updates
 
 
 def test_update_seeds_are_fresh_per_step_update_and_sample_and_never_a_slot_seed():

@@ -55,19 +55,20 @@ def _step(learner, groups):
 
 
 def _groups(sampler, learner, exploration, n_slots, group_size, rewards_seed=0, scale=1.0, reported_scale=None):
-    """Completions sampled at the learner's published version, slot by slot (σ multiplied by `scale`,
-    and tagged with `reported_scale`, default the same), with synthetic rewards."""
+    """Completions sampled at the learner's published version, slot by slot (its slots' σ scale
+    multiplied by `scale`, and tagged with `reported_scale`, default the same), with synthetic rewards."""
     model, tokenizer = sampler
     pv = learner.published()
     mean = {n: torch.from_numpy(a) for n, a in pv.mean.items()}
     sigma = {n: torch.from_numpy(a) for n, a in pv.sigma.items()} if pv.sigma else {}
     plan = make_plan(exploration, version=0, base_seed=0, group_size=group_size, n_slots=n_slots)
+    plan = plan.with_slots(pv.slots) if pv.slots else plan  # the noise control's seeds and scale
     gen = torch.Generator().manual_seed(rewards_seed)
     groups = []
     for item in generate_items("arith", "train", 3, seed=1):
         by_group: dict[int, list] = {}
         for slot in plan.slots:
-            theta = perturbed_state(mean, sigma, slot.seed, scale)
+            theta = perturbed_state(mean, sigma, slot.seed, scale * slot.scale)
             with torch.no_grad():
                 for name, p in trainable_named_parameters(model):
                     p.copy_(theta[name])
@@ -78,7 +79,7 @@ def _groups(sampler, learner, exploration, n_slots, group_size, rewards_seed=0, 
                                policy_version=0, slot_seed=slot.seed, mean_checksum=pv.mean_checksum,
                                weights_verified=True, prompt_ids=prompt_ids, token_ids=tokens,
                                logprobs=logprobs, finish_reason=finish, text=text,
-                               slot_scale=scale if reported_scale is None else reported_scale)
+                               slot_scale=(scale if reported_scale is None else reported_scale) * slot.scale)
                 reward = float(torch.rand((), generator=gen) < 0.5)
                 status = VerifyStatus.OK if reward else VerifyStatus.WRONG
                 by_group.setdefault(plan.group_of(slot.index), []).append(ScoredCompletion(c, VerifyResult(status, reward)))
@@ -477,3 +478,64 @@ def test_a_bf16_mixed_precision_step_keeps_fp32_state_and_agrees_with_fp32(sampl
     cos = torch.nn.functional.cosine_similarity(torch.cat([x.flatten() for x, _ in moved]),
                                                 torch.cat([y.flatten() for _, y in moved]), dim=0)
     assert cos > 0.99  # the same update, to bf16's precision (0.56 when autocast reused stale weight casts)
+
+
+def _prompts(sampler, n=4):
+    _, tokenizer = sampler
+    return [tokenizer(i.prompt, add_special_tokens=False)["input_ids"] for i in generate_items("arith", "train", n, seed=1)]
+
+
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_the_noise_control_holds_the_slots_kl_at_its_target_within_a_few_versions(sampler, tiny_dense_path, calibrated):
+    # on the tiny model σ as IVON initialises it (c = 1) gives a slot KL of ~0.005: the target needs c ≈ 2
+    target = 0.015
+    learner = Learner(tiny_dense_path, AlgoConfig(exploration="c3po", n_slots=4, group_size=8), OptimConfig(),
+                      SyncConfig(max_staleness=1), temperature=1.0, max_new_tokens=10,
+                      noise=NoiseConfig(target_kl=target), noise_prompts=_prompts(sampler) if calibrated else None)
+    first = learner.published("start")
+    if calibrated:  # set on the training prompts before anything is served
+        assert abs(math.log(learner.noise.latest["noise_kl"] / target)) < math.log(1.25)
+        assert {c for _, c in first.slots} == {learner.noise.latest["noise_scale"]} and first.slots[0][1] > 1.5
+    else:  # nothing to measure on yet: the server's own plan at c = 1
+        assert first.slots is None
+    kls, scales = [], []
+    for _ in range(5):
+        result = _step(learner, _groups(sampler, learner, "c3po", 4, 8))
+        assert result.publish
+        kls.append(result.metrics["noise_kl"])
+        scales.append(result.metrics["noise_scale"])
+        assert [c for _, c in learner.published().slots] == [scales[-1]] * 4  # what the version serves
+    # measured on the step's rollouts: within 1.25x of the target from the first version (the tiny model:
+    # 0.0156, 0.0146, 0.0142, 0.0145, 0.0149 for 0.015), while σ itself changes as IVON learns
+    assert all(abs(math.log(kl / target)) < math.log(1.5) for kl in kls), kls
+    assert scales[-1] > 1.5
+    # the control's scale survives a checkpoint
+    other = Learner(tiny_dense_path, AlgoConfig(exploration="c3po", n_slots=4, group_size=8), OptimConfig(),
+                    SyncConfig(max_staleness=1), temperature=1.0, max_new_tokens=10, noise=NoiseConfig(target_kl=target))
+    other.load_state(*learner.state())
+    assert other.noise.scale == learner.noise.scale and other.noise.calibrated
+
+
+def test_the_gate_redraws_a_slot_whose_kl_exceeds_it_and_serves_the_closest_draw(sampler, tiny_dense_path):
+    from threepo.algorithms.exploration import noise_seed
+
+    # a gate just above the target: draws vary around it, so some are over and get redrawn
+    noise = NoiseConfig(target_kl=0.01, gate=1.05)
+    learner = Learner(tiny_dense_path, AlgoConfig(exploration="c3po", n_slots=4, group_size=8), OptimConfig(),
+                      SyncConfig(max_staleness=1), temperature=1.0, max_new_tokens=10, noise=noise,
+                      noise_prompts=_prompts(sampler))
+    control = learner.noise
+    control.calibrated, control.scale = True, 1.8  # slots around the target on this model (no calibration)
+    mean = control._logits(learner.model)
+    draws = [[control._kl(learner.model, learner.optimizer, noise_seed(0, 0, i, d), mean) for d in range(4)]
+             for i in range(4)]
+    slots = control.plan(learner.model, learner.optimizer, step=0)
+    bound, redraws = 1.05 * 0.01, 0
+    for i, (seed, scale) in enumerate(slots):
+        passing = [d for d, kl in enumerate(draws[i]) if kl <= bound]
+        chosen = passing[0] if passing else min(range(4), key=lambda d: draws[i][d])
+        assert seed == noise_seed(0, 0, i, chosen) and scale == 1.8
+        redraws += passing[0] if passing else 3
+    assert redraws == control.latest["noise_redraws"] > 0, draws
+    assert control.latest["noise_kl"] == pytest.approx(sum(d[0] for d in draws) / 4)
+    assert control.latest["noise_kl_served_max"] < max(d[0] for d in draws)  # the oversized first draw is not served

@@ -155,6 +155,22 @@ def test_state_round_trip_restores_versions_plans_and_refcounts():
     assert sorted(_refcounts(restored)) == [2] and restored.publish(_pv(3)).version == 3
 
 
+def test_a_version_serves_the_slots_the_learner_chose_and_keeps_them_through_a_checkpoint(tmp_path):
+    import dataclasses
+
+    from threepo.services.posterior import load_posterior, save_posterior
+
+    server = PosteriorServer(PosteriorConfig(kind="c3po", group_size=8, n_slots=4, base_seed=3))
+    assert {s.scale for s in server.publish(_pv(0)).plan.slots} == {1.0}  # the server's own seeds
+    chosen = ((11, 0.5), (12, 0.5), (13, 0.5), (14, 0.5))
+    plan = server.publish(dataclasses.replace(_pv(1), slots=chosen)).plan
+    assert [(s.seed, s.scale) for s in plan.slots] == list(chosen) and plan.group_size == 8
+    save_posterior(server, str(tmp_path))
+    assert load_posterior(str(tmp_path)).version_plan(1).plan == plan
+    with pytest.raises(ValueError, match="2 .seed, scale. pairs for a plan of 4 slots"):
+        server.publish(dataclasses.replace(_pv(2), slots=chosen[:2]))
+
+
 def test_checkpoint_files_round_trip_with_references_dropped(tmp_path):
     from threepo.services.posterior import load_posterior, save_posterior
 

@@ -1,0 +1,45 @@
+"""How far a served slot's policy is from the mean's, and the σ scale that holds it at a target
+(issue 25; param-noise.md "how σ is set").
+
+A slot serves θ̂ = m + c · σ ⊙ z: IVON's σ gives the noise its shape, the scale c its size. For small
+perturbations the divergence it causes is quadratic in c,
+
+    KL(π_θ̂ ‖ π_m) ≈ ½ c² (σ ⊙ z)ᵀ F (σ ⊙ z)          (F: the Fisher information at m),
+
+so a scale c whose slots measured KL = k reaches a target K at c' = c · sqrt(K / k). Plappert et al.
+(2018) hold the distance between the perturbed and the clean policy at a target by multiplying or
+dividing σ by α = 1.01 each step; PSN-RLVR holds the per-token KL of the noised model near 0.003–0.005
+nats the same way. Here each version takes the step the quadratic law gives, bounded by a factor
+`max_factor` per version: a version's measurement moves c at once where α = 1.01 would need hundreds
+of steps to move it tenfold.
+
+Departures: the KL is the exact one over the vocabulary at probe positions (both log-softmaxes at
+the sampler's temperature), not a sampled-token estimate; the step is the quadratic law's, not a
+fixed α.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def policy_kl(logits_p: torch.Tensor, logits_q: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Per-position KL(p ‖ q) = Σ_v p_v (log p_v − log q_v), p = softmax(logits_p / T), q likewise.
+
+    Shapes: logits_p, logits_q [N, V] -> [N], fp32, ≥ 0 up to rounding."""
+    assert logits_p.shape == logits_q.shape, (logits_p.shape, logits_q.shape)
+    assert temperature > 0, f"temperature must be positive, got {temperature}"
+    log_p = torch.log_softmax(logits_p.float() / temperature, dim=-1)
+    log_q = torch.log_softmax(logits_q.float() / temperature, dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def next_noise_scale(scale: float, kl: float, target_kl: float, max_factor: float = 4.0) -> float:
+    """c' = c · clip(sqrt(K / k), 1/f, f): the scale whose slots would measure the target KL K, by the
+    quadratic law (module docstring), from a scale c whose slots measured k; f = `max_factor` bounds
+    one version's step. A measured k of 0 (nothing changed the policy) takes the largest step up."""
+    assert scale > 0 and target_kl > 0 and kl >= 0 and max_factor >= 1, (scale, kl, target_kl, max_factor)
+    ratio = math.sqrt(target_kl / kl) if kl > 0 else max_factor
+    return scale * min(max(ratio, 1.0 / max_factor), max_factor)

@@ -1,0 +1,157 @@
+"""The learner's noise control: the seeds and the σ scale c of the slots each version serves, so that
+the per-token KL(π_θ̂ ‖ π_m) of a served slot stays at `noise.target_kl` (algorithms/noise_scale.py;
+issue 25).
+
+When the learner publishes a version, `plan` measures each slot's KL to the mean on a probe (a few
+rollouts of the latest step, their first `_POSITIONS` predicted tokens; before the first step, the
+training prompts it was given), exactly over the vocabulary at the sampler's temperature, with the
+slot built as the engines will serve it (σ zero outside the noise mask, times c). A slot whose KL
+exceeds `noise.gate` × target is redrawn with the next seed (`exploration.noise_seed`), up to
+`_REDRAWS` times, keeping the closest draw if none passes. The version serves its slots at the scale
+just measured; the mean KL of the first draws (unbiased for the scale, unlike the gated ones) sets
+the next version's scale by the quadratic law. At the start, with no rollouts yet, the scale is
+calibrated on the prompts in up to `_CALIBRATION` rounds before the first version is served. The scale
+stays at most `_MAX_SCALE`: where the noise cannot reach the target (a masked model's KL saturates)
+it stops there rather than growing without bound.
+
+The metrics (every step logs the latest version's): noise_scale (c served), noise_kl (mean first-draw
+KL at it), noise_kl_served_max (the largest KL among the served slots), noise_redraws.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from threepo.algorithms.exploration import noise_seed
+from threepo.algorithms.noise_mask import NoiseConfig
+from threepo.algorithms.noise_scale import next_noise_scale, policy_kl
+
+_POSITIONS = 64  # predicted tokens of each probe row
+_REDRAWS = 3  # most new seeds for a slot over the gate
+_CALIBRATION = 6  # most measurements to set the first version's scale
+_CLOSE = math.log(1.25)  # calibration stops within a factor 1.25 of the target
+_MAX_SCALE = 10.0  # a target the noise cannot reach (the KL saturates) leaves c here, not growing forever
+
+
+class NoiseControl:
+    """Seeds and σ scale of each published version's slots (module docstring)."""
+
+    def __init__(self, cfg: NoiseConfig, *, n_slots: int, base_seed: int, temperature: float,
+                 prompts: list[list[int]] | None = None, device: torch.device | str = "cpu") -> None:
+        self.cfg, self.n_slots, self.base_seed, self.temperature = cfg, n_slots, base_seed, temperature
+        self.scale, self.calibrated, self.latest = 1.0, False, {}
+        self.device = torch.device(device)
+        self.probe = _prompt_probe(prompts, self.device) if prompts else None
+
+    def observe(self, input_ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor) -> None:
+        """Take `probe_rows` rows of a step's batch, evenly spread, as the probe (their first predicted
+        tokens: `mask` [B, L-1] marks where position t predicts a completion token)."""
+        rows = torch.linspace(0, len(input_ids) - 1, min(self.cfg.probe_rows, len(input_ids))).round().long()
+        where = mask[rows].bool() & (mask[rows].cumsum(1) <= _POSITIONS)
+        self.probe = (input_ids[rows].detach(), attn[rows].detach(), where)
+
+    @torch.no_grad()
+    def plan(self, model, optimizer, step: int) -> list[tuple[int, float]] | None:
+        """(seed, scale) of each slot of the version published at learner step `step`, or None without a
+        probe (the posterior server then plans its own seeds at scale 1)."""
+        if self.probe is None:
+            return None
+        mean = self._logits(model)  # between updates the model holds m
+        if not self.calibrated:
+            self._calibrate(model, optimizer, step, mean)
+        firsts, slots, redraws, served = [], [], 0, []
+        bound = self.cfg.gate * self.cfg.target_kl if self.cfg.gate and self.cfg.target_kl else math.inf
+        for i in range(self.n_slots):
+            tried = []
+            for draw in range(_REDRAWS + 1 if bound < math.inf else 1):
+                seed = noise_seed(self.base_seed, step, i, draw)
+                tried.append((self._kl(model, optimizer, seed, mean), seed))
+                if tried[-1][0] <= bound:
+                    break
+            firsts.append(tried[0][0])
+            redraws += len(tried) - 1
+            kl, seed = min(tried)
+            served.append(kl)
+            slots.append((seed, self.scale))
+        measured = sum(firsts) / len(firsts)
+        self.latest = {"noise_scale": self.scale, "noise_kl": measured, "noise_kl_served_max": max(served),
+                       "noise_redraws": float(redraws)}
+        if self.cfg.target_kl:
+            self.scale = min(next_noise_scale(self.scale, measured, self.cfg.target_kl), _MAX_SCALE)
+        return slots
+
+    def _calibrate(self, model, optimizer, step: int, mean: torch.Tensor) -> None:
+        """Set the scale before the first version is served: measure, take the quadratic law's step, repeat."""
+        self.calibrated = True
+        if not self.cfg.target_kl:
+            return
+        for _ in range(_CALIBRATION):
+            kls = [self._kl(model, optimizer, noise_seed(self.base_seed, step, i, 0), mean) for i in range(self.n_slots)]
+            measured = sum(kls) / len(kls)
+            if measured > 0 and abs(math.log(measured / self.cfg.target_kl)) < _CLOSE:
+                return
+            self.scale = min(next_noise_scale(self.scale, measured, self.cfg.target_kl, max_factor=100.0), _MAX_SCALE)
+
+    @torch.no_grad()
+    def _kl(self, model, optimizer, seed: int, mean: torch.Tensor) -> float:
+        """Mean per-token KL(π_θ̂ ‖ π_m) over the probe, θ̂ the slot `seed` at the current scale, served."""
+        with optimizer.at(seed, train=False, scale=self.scale, served=True):
+            return float(policy_kl(self._logits(model), mean, self.temperature).mean())
+
+    @torch.no_grad()
+    def _logits(self, model) -> torch.Tensor:
+        """Logits [P, V] at the probe's positions, one row at a time."""
+        ids, attn, where = self.probe
+        return torch.cat([model(input_ids=ids[r:r + 1], attention_mask=attn[r:r + 1]).logits[0, :-1][where[r]].float()
+                          for r in range(len(ids))])
+
+    def state(self) -> dict:
+        return {"noise_scale": self.scale, "noise_calibrated": self.calibrated}
+
+    def load_state(self, meta: dict) -> None:
+        self.scale = float(meta.get("noise_scale", 1.0))
+        self.calibrated = bool(meta.get("noise_calibrated", False))
+
+
+def _prompt_probe(prompts: list[list[int]], device: torch.device):
+    """Prompts as probe rows (right-padded): every position that predicts a prompt token, the first
+    `_POSITIONS` of each."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
+    attn = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, :len(p)] = torch.tensor(p, dtype=torch.long)
+        attn[r, :len(p)] = 1
+    where = attn[:, 1:].bool() & (attn[:, 1:].cumsum(1) <= _POSITIONS)
+    return ids, attn, where
+
+
+class FixedNoise:
+    """No control: the posterior server draws the seeds of its plan and serves σ as IVON learned it
+    (noise.target_kl = 0), or there is no noise to control (grpo, AdamW)."""
+
+    latest: dict = {}
+
+    def observe(self, input_ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor) -> None:
+        pass
+
+    def plan(self, model, optimizer, step: int) -> None:
+        return None
+
+    def state(self) -> dict:
+        return {}
+
+    def load_state(self, meta: dict) -> None:
+        pass
+
+
+def make_noise_control(cfg: NoiseConfig, *, serves_noise: bool, n_slots: int, base_seed: int, temperature: float,
+                       prompts: list[list[int]] | None = None, device: torch.device | str = "cpu"):
+    """`NoiseControl` where slots serve noise (`serves_noise`: a posterior and a 3PO exploration) and
+    noise.target_kl > 0; `FixedNoise` otherwise."""
+    if serves_noise and cfg.target_kl:
+        return NoiseControl(cfg, n_slots=n_slots, base_seed=base_seed, temperature=temperature, prompts=prompts,
+                            device=device)
+    return FixedNoise()
