@@ -134,20 +134,22 @@ class IVON(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def sampled_params(self, seed: int | None, train: bool = True, scale: float = 1.0,
-                       sigma: Mapping[str, torch.Tensor] | None = None) -> Iterator[None]:
+                       sigma: Mapping[str, torch.Tensor] | None = None, rank: int = 0) -> Iterator[None]:
         """Write θ̂ = m + c · σ ⊙ z(seed, name) into p.data (cast to its dtype), yield, restore m.
         With train=True (z drawn once) the gradients left by the body are folded into the running (Welford)
         means ḡ = mean_k ĝ_k and mean_k ε_k ⊙ ĝ_k (or ĝ_k²), then zeroed (§1.2). If the body
         raises, nothing is accumulated; p.data is restored from the fp32 mean in every case.
         `scale` (c, a slot's σ multiplier) rebuilds a scaled slot for evaluation only: the Price
         estimate assumes ε ~ N(0, σ²), so a training sample must have c = 1. `sigma` replaces the
-        posterior's σ to rebuild a served slot (e.g. zero outside a noise mask), never to train."""
-        if train and (scale != 1.0 or sigma is not None):
-            raise ValueError(f"sampled_params: a training sample needs scale 1 and the posterior's own σ "
-                             f"(ε ~ N(0, σ²)), got scale {scale}{' and another σ' if sigma is not None else ''}")
+        posterior's σ to rebuild a served slot (e.g. zero outside a noise mask), and `rank` > 0 draws
+        its z of that rank per matrix (`param_noise.low_rank_noise`), never to train."""
+        if train and (scale != 1.0 or sigma is not None or rank):
+            raise ValueError(f"sampled_params: a training sample needs scale 1, full-rank noise and the posterior's "
+                             f"own σ (ε ~ N(0, σ²)), got scale {scale}, rank {rank}"
+                             f"{' and another σ' if sigma is not None else ''}")
         try:
             load_perturbed(self._named(), self.mean_by_name(), self.sigma_by_name() if sigma is None else sigma,
-                           seed, scale)
+                           seed, scale, rank)
             yield
             if train:
                 self._accumulate(seed)

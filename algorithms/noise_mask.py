@@ -86,7 +86,11 @@ class NoiseConfig:
     gate: float = 4.0
     """A slot whose probe KL exceeds gate × target_kl is redrawn (a new seed, up to 3 times; the
     closest draw is kept if none passes). 0 = no gate; without a target (target_kl = 0) there is none."""
-    probe_rows: int = 4
+    rank: int = 0
+    """Rank r of each served slot's noise per matrix: z = Σ_k u_k v_kᵀ / sqrt(r), the same variance per
+    element as full noise from (rows + cols) · r draws (algorithms/param_noise.py `low_rank_noise`);
+    1-D tensors keep full noise. 0 = full noise. IVON's own training samples are always full."""
+    probe_rows: int = 16
     """Rollouts of the latest step (evenly spread over its groups; at the start, training prompts)
     on whose first 64 predicted tokens each slot's KL is measured."""
 
@@ -96,6 +100,8 @@ class NoiseConfig:
             raise ValueError(f"noise.target_kl: expected >= 0 (nats per token; 0 = no control), got {self.target_kl}")
         if not self.gate == 0 and not self.gate > 1:
             raise ValueError(f"noise.gate: expected 0 (off) or > 1 (a multiple of noise.target_kl), got {self.gate}")
+        if not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"noise.rank: expected an integer >= 0 (0 = full noise), got {self.rank!r}")
         if not isinstance(self.probe_rows, int) or self.probe_rows < 1:
             raise ValueError(f"noise.probe_rows: expected an integer >= 1, got {self.probe_rows!r}")
         if self.modules not in NOISE_MODULES:

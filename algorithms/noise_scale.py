@@ -9,9 +9,10 @@ perturbations the divergence it causes is quadratic in c,
 so a scale c whose slots measured KL = k reaches a target K at c' = c · sqrt(K / k). Plappert et al.
 (2018) hold the distance between the perturbed and the clean policy at a target by multiplying or
 dividing σ by α = 1.01 each step; PSN-RLVR holds the per-token KL of the noised model near 0.003–0.005
-nats the same way. Here each version takes the step the quadratic law gives, bounded by a factor
-`max_factor` per version: a version's measurement moves c at once where α = 1.01 would need hundreds
-of steps to move it tenfold.
+nats the same way. Here each version takes a share (the gain) of the step the quadratic law gives,
+bounded by a factor `max_factor` per version: a version's measurement moves c at once where α = 1.01
+would need hundreds of steps to move it tenfold, and a gain below 1 keeps a probe's sampling noise
+from moving it as much.
 
 Departures: the KL is the exact one over the vocabulary at probe positions (both log-softmaxes at
 the sampler's temperature), not a sampled-token estimate; the step is the quadratic law's, not a
@@ -36,10 +37,13 @@ def policy_kl(logits_p: torch.Tensor, logits_q: torch.Tensor, temperature: float
     return (log_p.exp() * (log_p - log_q)).sum(-1)
 
 
-def next_noise_scale(scale: float, kl: float, target_kl: float, max_factor: float = 4.0) -> float:
-    """c' = c · clip(sqrt(K / k), 1/f, f): the scale whose slots would measure the target KL K, by the
-    quadratic law (module docstring), from a scale c whose slots measured k; f = `max_factor` bounds
-    one version's step. A measured k of 0 (nothing changed the policy) takes the largest step up."""
-    assert scale > 0 and target_kl > 0 and kl >= 0 and max_factor >= 1, (scale, kl, target_kl, max_factor)
-    ratio = math.sqrt(target_kl / kl) if kl > 0 else max_factor
+def next_noise_scale(scale: float, kl: float, target_kl: float, max_factor: float = 4.0, gain: float = 1.0) -> float:
+    """c' = c · clip((K / k)^(g/2), 1/f, f): with gain g = 1 the scale whose slots would measure the
+    target KL K, by the quadratic law (module docstring), from a scale c whose slots measured k; g < 1
+    takes that share of the step in log c (a noisy measurement moves c less: log c then averages the
+    measurements exponentially); f = `max_factor` bounds one step. A measured k of 0 (nothing changed
+    the policy) takes the largest step up."""
+    assert scale > 0 and target_kl > 0 and kl >= 0 and max_factor >= 1 and 0 < gain <= 1, (
+        scale, kl, target_kl, max_factor, gain)
+    ratio = (target_kl / kl) ** (gain / 2) if kl > 0 else max_factor
     return scale * min(max(ratio, 1.0 / max_factor), max_factor)

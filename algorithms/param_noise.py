@@ -66,6 +66,25 @@ def noise_like(seed: int, name: str, shape: Iterable[int], device: torch.device 
     return standard_normal(tensor_seed(seed, name), math.prod(shape), device=device).view(shape)
 
 
+def low_rank_noise(seed: int, name: str, shape: Iterable[int], rank: int, out: torch.Tensor) -> torch.Tensor:
+    """Rank-r noise z = (Σ_k u_k v_kᵀ) · r^(-1/2) of `shape` written into `out` (contiguous fp32, on
+    its device) and returned: u_k ~ N(0, I) over the first axis and v_k over the rest flattened, drawn
+    from (seed, name + "/u") and (seed, name + "/v"), so each element has variance 1 like full noise
+    with (rows + cols) · r draws instead of rows · cols (a 1-D tensor gets full noise). The sum is
+    taken k by k, each product and addition one correctly rounded fp32 operation: the same bits on
+    every device, as for full noise."""
+    shape = tuple(shape)
+    if len(shape) < 2:
+        return standard_normal(tensor_seed(seed, name), out.numel(), out=out)
+    rows, cols = shape[0], math.prod(shape[1:])
+    u = standard_normal(tensor_seed(seed, name + "/u"), rank * rows, device=out.device).view(rank, rows, 1)
+    v, flat = standard_normal(tensor_seed(seed, name + "/v"), rank * cols, device=out.device).view(rank, 1, cols), out.view(rows, cols)
+    torch.mul(u[0], v[0], out=flat)
+    for k in range(1, rank):
+        flat.add_(u[k] * v[k])
+    return out.mul_(torch.tensor(1.0 / math.sqrt(rank), dtype=torch.float32, device=out.device))
+
+
 def noise_at(seed: int, name: str, index: torch.Tensor) -> torch.Tensor:
     """z of (seed, name) at the flat element indices `index`: `noise_like(...).flatten()[index]`
     without drawing the rest (a strided sample, a tensor-parallel shard)."""
@@ -96,12 +115,14 @@ class SigmaView(Mapping):
 
 
 def perturbed(mean: torch.Tensor, sigma: torch.Tensor, seed: int | None, name: str,
-              scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
+              scale: float = 1.0, out: torch.Tensor | None = None, rank: int = 0) -> torch.Tensor:
     """θ̂ = m + (σ ⊙ z(seed, name)) · c in fp32 on m's device, c = `scale` (a slot's σ multiplier;
     1 = the posterior sample itself), each of ⊙, · and + one correctly rounded fp32 operation in
     this order, so θ̂ is bit-identical on every device; `seed=None` returns a fp32 copy of m (the
     clean mean; `scale` must then be 1). `out`, when given, is a contiguous fp32 tensor of m's shape,
-    not m itself, that receives θ̂ (and is returned); z is drawn into it, none held apart."""
+    not m itself, that receives θ̂ (and is returned); z is drawn into it, none held apart. `rank` > 0
+    draws z of rank `rank` per matrix (`low_rank_noise`; a served slot's option, never IVON's
+    training sample)."""
     assert mean.shape == sigma.shape, f"{name}: mean {tuple(mean.shape)} vs sigma {tuple(sigma.shape)}"
     assert scale > 0 and (seed is not None or scale == 1.0), f"{name}: scale {scale} with seed {seed}"
     mean = mean.detach()
@@ -111,7 +132,10 @@ def perturbed(mean: torch.Tensor, sigma: torch.Tensor, seed: int | None, name: s
         out = torch.empty(mean.shape, dtype=torch.float32, device=mean.device)
     assert out.dtype == torch.float32 and out.shape == mean.shape and out.data_ptr() != mean.data_ptr(), name
     check_noise_device(out.device)
-    standard_normal(tensor_seed(seed, name), out.numel(), out=out)
+    if rank:
+        low_rank_noise(seed, name, mean.shape, rank, out)
+    else:
+        standard_normal(tensor_seed(seed, name), out.numel(), out=out)
     out.mul_(sigma.to(out.device, torch.float32))
     if scale != 1.0:
         out.mul_(scale)
@@ -120,38 +144,40 @@ def perturbed(mean: torch.Tensor, sigma: torch.Tensor, seed: int | None, name: s
 
 @torch.no_grad()
 def load_perturbed(params: Iterable[tuple[str, torch.Tensor]], means: Mapping[str, torch.Tensor],
-                   sigmas: Mapping[str, torch.Tensor], seed: int | None, scale: float = 1.0) -> None:
+                   sigmas: Mapping[str, torch.Tensor], seed: int | None, scale: float = 1.0, rank: int = 0) -> None:
     """p ← θ̂ = m + c · σ ⊙ z(seed, name) for every (name, p) of `params`, in p's dtype (fp32
-    parameters written in place, no copy; z drawn tensor by tensor, none held)."""
+    parameters written in place, no copy; z drawn tensor by tensor, none held; of rank `rank` > 0 per
+    matrix: `perturbed`)."""
     for name, p in params:
         if p.dtype == torch.float32:
-            perturbed(means[name], sigmas[name], seed, name, scale, out=p.data)
+            perturbed(means[name], sigmas[name], seed, name, scale, out=p.data, rank=rank)
         else:
-            p.copy_(perturbed(means[name], sigmas[name], seed, name, scale))
+            p.copy_(perturbed(means[name], sigmas[name], seed, name, scale, rank=rank))
 
 
 def iter_perturbed(means: Mapping[str, torch.Tensor], sigmas: Mapping[str, torch.Tensor], seed: int | None,
-                   scale: float = 1.0, device: torch.device | str | None = None
+                   scale: float = 1.0, device: torch.device | str | None = None, rank: int = 0
                    ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, m, θ̂) for every named tensor, one at a time (none held between items), both on `device`
-    (default: each m's own): θ̂ = m + (σ ⊙ z(seed, name)) · c, c = `scale`; a fp32 copy of m where
-    `seed` is None or `sigmas` lacks the name (buffers, frozen parameters)."""
+    (default: each m's own): θ̂ = m + (σ ⊙ z(seed, name)) · c, c = `scale` (z of rank `rank` > 0 per
+    matrix: `perturbed`); a fp32 copy of m where `seed` is None or `sigmas` lacks the name (buffers,
+    frozen parameters)."""
     for name, m in means.items():
         m = m.detach().to(m.device if device is None else device)
         if seed is not None and name in sigmas:
-            yield name, m, perturbed(m, sigmas[name].to(m.device), seed, name, scale)
+            yield name, m, perturbed(m, sigmas[name].to(m.device), seed, name, scale, rank=rank)
         else:
             yield name, m, m.float().clone()
 
 
 def iter_served(means: Mapping[str, torch.Tensor], sigmas: Mapping[str, torch.Tensor], seed: int | None,
                 scale: float, device: torch.device | str, dtype: torch.dtype, fed: list,
-                energy: list | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                energy: list | None = None, rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, θ̂ cast to `dtype`) one tensor at a time on `device`, for a backend's own loader
     (`iter_perturbed`): appends each cast tensor's `value_fingerprint` to `fed` (their
     `combined_fingerprint` is what the backend must hold once loaded) and, given `energy` = [a, b],
-    adds each tensor's `served_noise_ratio` to it."""
-    for name, m, theta in iter_perturbed(means, sigmas, seed, scale, device):
+    adds each tensor's `served_noise_ratio` to it; `rank` as for `perturbed`."""
+    for name, m, theta in iter_perturbed(means, sigmas, seed, scale, device, rank):
         cast = theta.to(dtype)
         fed.append(value_fingerprint([cast]))
         if energy is not None:
@@ -161,10 +187,10 @@ def iter_served(means: Mapping[str, torch.Tensor], sigmas: Mapping[str, torch.Te
 
 
 def perturbed_state(
-    means: Mapping[str, torch.Tensor], sigmas: Mapping[str, torch.Tensor], seed: int | None, scale: float = 1.0
-) -> dict[str, torch.Tensor]:
+    means: Mapping[str, torch.Tensor], sigmas: Mapping[str, torch.Tensor], seed: int | None, scale: float = 1.0,
+    rank: int = 0) -> dict[str, torch.Tensor]:
     """θ̂ for every named tensor: {name: m + c · σ ⊙ z(seed, name)} (`iter_perturbed`, held whole)."""
-    return {name: theta for name, _, theta in iter_perturbed(means, sigmas, seed, scale)}
+    return {name: theta for name, _, theta in iter_perturbed(means, sigmas, seed, scale, rank=rank)}
 
 
 def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:

@@ -57,7 +57,7 @@ class SamplerActor:
         version = requests[0].policy_version
         if self.sampler.version != version:
             pv = ray.get(weights[0])
-            self.sampler.update(version, pv.mean, pv.sigma, pv.mean_checksum)
+            self.sampler.update(version, pv.mean, pv.sigma, pv.mean_checksum, pv.noise_rank)
         batch = self.sampler.generate(requests)
         return report_of(batch), batch
 
@@ -137,7 +137,8 @@ class PosteriorActor:
         from threepo.services.messages import PublishedVersion
 
         mean, sigma, checksum = self.server.weights(version)
-        return PublishedVersion(self.server.version_plan(version).learner_step, "", mean, sigma, checksum)
+        return PublishedVersion(self.server.version_plan(version).learner_step, "", mean, sigma, checksum,
+                                noise_rank=self.server.noise_rank(version))
 
     def acquire(self, version: int, n: int = 1) -> None:
         self.server.acquire(version, n)

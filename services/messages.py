@@ -291,7 +291,8 @@ class PublishedVersion:
     exact checksum of the mean (`param_noise.weights_checksum`) every engine checks on receipt. The
     posterior server numbers versions (it owns them). `slots`: (seed, σ scale) of each slot the
     version serves, as the learner's noise control chose them (services/learner/noise_control.py);
-    None: the server draws the seeds of its plan itself, at scale 1."""
+    None: the server draws the seeds of its plan itself, at scale 1. `noise_rank`: the rank of each
+    slot's noise per matrix (`[noise] rank`; 0: full noise)."""
 
     learner_step: int
     reason: str
@@ -299,4 +300,5 @@ class PublishedVersion:
     sigma: dict | None  # {name: np.ndarray fp32}; None when the optimizer has no posterior (AdamW)
     mean_checksum: str
     slots: tuple | None = None  # ((seed, scale), ...) one per slot
+    noise_rank: int = 0
 

@@ -78,6 +78,7 @@ class _Version:
     learner_step: int
     reason: str
     mean_checksum: str
+    noise_rank: int = 0
 
 
 def _frozen_fp32(arrays: Mapping[str, np.ndarray], what: str) -> dict[str, np.ndarray]:
@@ -128,7 +129,8 @@ class PosteriorServer:
         if sigma is None and cfg.kind != "grpo":
             raise ValueError(f"version {version}: sigma is None, but the {cfg.kind} plan has seeded "
                              "slots (publish σ, or use kind='grpo')")
-        self._versions[version] = _Version(mean, sigma, plan, pv.learner_step, pv.reason, pv.mean_checksum)
+        self._versions[version] = _Version(mean, sigma, plan, pv.learner_step, pv.reason, pv.mean_checksum,
+                                           pv.noise_rank)
         self._refs[version] = self._refs.get(version, 0) + int(hold)
         self._current = version
         self._evict()
@@ -150,6 +152,10 @@ class PosteriorServer:
         per version."""
         entry = self._get(version)
         return entry.mean, entry.sigma, entry.mean_checksum
+
+    def noise_rank(self, version: int) -> int:
+        """The rank of `version`'s slot noise per matrix (0: full noise), as the learner published it."""
+        return self._get(version).noise_rank
 
     def bytes_of(self, version: int) -> int:
         """Bytes of mean + σ: what one engine receives per version, whatever the number of slots."""
@@ -194,6 +200,7 @@ class PosteriorServer:
             "versions": [
                 {"version": v, "mean": e.mean, "sigma": e.sigma, "learner_step": e.learner_step,
                  "reason": e.reason, "mean_checksum": e.mean_checksum, "refcount": self._refs[v],
+                 "noise_rank": e.noise_rank,
                  "plan": _plan_state(e.plan)}
                 for v, e in sorted(self._versions.items())
             ],
@@ -212,7 +219,8 @@ class PosteriorServer:
             self._versions[saved["version"]] = _Version(
                 _frozen_fp32(saved["mean"], "state mean"),
                 None if sigma is None else _frozen_fp32(sigma, "state sigma"),
-                _plan_from_state(saved["plan"]), saved["learner_step"], saved["reason"], saved["mean_checksum"])
+                _plan_from_state(saved["plan"]), saved["learner_step"], saved["reason"], saved["mean_checksum"],
+                saved.get("noise_rank", 0))
             self._refs[saved["version"]] = saved["refcount"]
         self._current = state["current"]
         if self._versions and self._current not in self._versions:

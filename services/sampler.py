@@ -66,14 +66,15 @@ class Sampler:
             metrics, [m for m in CATALOGUE if m.name in _METRICS])
 
     def update(self, version: int, mean: Mapping[str, np.ndarray], sigma: Mapping[str, np.ndarray] | None,
-               mean_checksum: str) -> None:
-        """Take posterior version `version` (one transfer of m and σ, whatever the number of slots);
+               mean_checksum: str, noise_rank: int = 0) -> None:
+        """Take posterior version `version` (one transfer of m and σ, whatever the number of slots; its
+        slots' noise of rank `noise_rank` per matrix, 0: full);
         the engine refuses a mean whose checksum is not `mean_checksum` (WeightsMismatch). An older
         version is allowed: the driver re-issues a crashed sampler's requests at the version they
         were admitted with, while the posterior server keeps that version alive."""
         started = time.perf_counter()
         try:
-            self.engine.load_version(version, mean, sigma, mean_checksum)
+            self.engine.load_version(version, mean, sigma, mean_checksum, noise_rank)
         except WeightsMismatch:
             self._failed_check("mean")
             raise

@@ -150,13 +150,14 @@ class Engine(Protocol):
     """One inference engine serving one version: one (perturbed) policy per `generate` call."""
 
     def load_version(self, version: int, mean: Mapping[str, np.ndarray],
-                     sigma: Mapping[str, np.ndarray] | None, mean_checksum: str) -> None:
+                     sigma: Mapping[str, np.ndarray] | None, mean_checksum: str, noise_rank: int = 0) -> None:
         """Take version `version`: hold fp32 m and σ (σ None: no noise possible) on the engine's
-        device, check the mean against `mean_checksum` (raise WeightsMismatch), serve the mean."""
+        device, check the mean against `mean_checksum` (raise WeightsMismatch), serve the mean. Its
+        slots draw z of rank `noise_rank` per matrix (0: full noise; `param_noise.perturbed`)."""
 
     def serve(self, noise: NoiseSpec) -> ServeReport:
         """Serve θ̂ = m + c · σ ⊙ z(noise.seed), c = noise.scale (seed None: the mean) of the held
-        version, built by `param_noise.perturbed` exactly as the learner rebuilds it; forget any
+        version (z of its noise rank), built by `param_noise.perturbed` exactly as the learner rebuilds it; forget any
         prefix/KV state computed under other weights (another seed or scale included)."""
 
     def generate(self, requests: Sequence[EngineRequest], params: SamplingParams) -> list[list[GeneratedSample]]:

@@ -55,13 +55,14 @@ class HFEngine:
         # (the lean path in fp32)
         self._mean = {n: p.detach() for n, p in self._params.items()}
         self._sigma: dict[str, torch.Tensor] | None = None
+        self.noise_rank = 0  # the held version's (load_version)
         self.version, self.mean_checksum = 0, param_noise.weights_checksum(self._mean.items())
         self._mean_fingerprint = param_noise.value_fingerprint(self.model.parameters())
         self._serving = NoiseSpec(posterior_version=0, seed=None)
         self.report = self.serve(self._serving)
 
     def load_version(self, version: int, mean: Mapping[str, np.ndarray],
-                     sigma: Mapping[str, np.ndarray] | None, mean_checksum: str) -> None:
+                     sigma: Mapping[str, np.ndarray] | None, mean_checksum: str, noise_rank: int = 0) -> None:
         missing = sorted(set(self._params) - set(mean))
         if missing:
             raise WeightsMismatch(f"posterior version {version}: mean lacks parameters {missing[:5]}")
@@ -75,7 +76,7 @@ class HFEngine:
                 p.copy_(received[n])  # the served weights (on the lean path in fp32: m itself)
         if not (self.lean and self.dtype == torch.float32):
             self._mean = received
-        self.version, self.mean_checksum = version, checksum
+        self.version, self.mean_checksum, self.noise_rank = version, checksum, noise_rank
         self._sigma = None if sigma is None else {n: _tensor(sigma[n], self.device) for n in self._params}  # read only
         self._mean_fingerprint = param_noise.value_fingerprint(self.model.parameters())
         if self.lean:
@@ -114,13 +115,13 @@ class HFEngine:
         """Without a lean decoder: θ̂ written into the model's parameters (the mean rebuilt from m)."""
         frozen = [p for n, p in self.model.named_parameters() if n not in self._params]
         ratio, fed = write_slot({n: p.data for n, p in self._params.items()}, self._mean, self._sigma or {},
-                                noise.seed, noise.scale)
+                                noise.seed, noise.scale, self.noise_rank)
         return ratio, param_noise.combined_fingerprint([fed, param_noise.value_fingerprint(frozen)])
 
     def _rows(self, slots: Sequence[NoiseSpec]) -> list[int]:
         """Bank rows of `slots`, built where not resident (lean path)."""
         def build(key, views):
-            return write_slot(views, self._mean_by_layout(), self._sigma or {}, *key)
+            return write_slot(views, self._mean_by_layout(), self._sigma or {}, *key, self.noise_rank)
         return self.bank.place([(s.seed, s.scale) for s in slots], build)
 
     def _mean_by_layout(self) -> dict[str, torch.Tensor]:

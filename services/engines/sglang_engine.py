@@ -102,12 +102,12 @@ class SGLangEngine:
         self.report = ServeReport(0, None, "", True, 1.0, detail="checkpoint as loaded by SGLang")
 
     def load_version(self, version: int, mean: Mapping[str, np.ndarray],
-                     sigma: Mapping[str, np.ndarray] | None, mean_checksum: str) -> None:
+                     sigma: Mapping[str, np.ndarray] | None, mean_checksum: str, noise_rank: int = 0) -> None:
         import torch
 
         path = stage_version(mean, sigma, staging_dir(), f"threepo-sglang-{os.getpid()}-{self.engine_id}-v{version}")
         named = [(f"{_CONTROL}/path", torch.tensor(list(path.encode()), dtype=torch.uint8)),
-                 control("version", [version]), checksum_tensor(mean_checksum)]
+                 control("version", [version]), control("rank", [noise_rank]), checksum_tensor(mean_checksum)]
         ok, message = self._update(named, "store", flush_cache=True)
         if not ok:
             remove_staged(path)

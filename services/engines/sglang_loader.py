@@ -74,7 +74,8 @@ def _store(model: torch.nn.Module, tensors: dict) -> None:
     received = param_noise.weights_checksum(mean.items())
     if received != expected:
         raise RuntimeError(f"threepo: the received mean has checksum {received}, the learner published {expected}")
-    _STATE[id(model)] = {"mean": mean, "sigma": sigma or None, "version": int(tensors[_CONTROL + "version"][0])}
+    _STATE[id(model)] = {"mean": mean, "sigma": sigma or None, "version": int(tensors[_CONTROL + "version"][0]),
+                         "rank": int(tensors[_CONTROL + "rank"][0]) if _CONTROL + "rank" in tensors else 0}
     _serve(model, {_CONTROL + "seed": torch.zeros(0, dtype=torch.int64), _CONTROL + "scale": torch.ones(1, dtype=torch.float64)})
 
 
@@ -88,7 +89,7 @@ def _serve(model: torch.nn.Module, tensors: dict) -> None:
     first, fed = next(model.parameters()), []
     state["loaded"] = None  # until the load below has completed
     model.load_weights(param_noise.iter_served(state["mean"], state["sigma"] or {}, seed, scale, first.device,
-                                               first.dtype, fed))
+                                               first.dtype, fed, rank=state["rank"]))
     state["loaded"] = _fingerprint(model)
     single_rank = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
     if single_rank and state["loaded"] != param_noise.combined_fingerprint(fed):

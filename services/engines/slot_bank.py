@@ -108,12 +108,14 @@ def _fingerprint(row: torch.Tensor) -> tuple[int, int]:
 
 
 def write_slot(views: Mapping[str, torch.Tensor], mean: Mapping[str, torch.Tensor],
-               sigma: Mapping[str, torch.Tensor], seed: int | None, scale: float) -> tuple[float, tuple[int, int]]:
-    """θ̂ = m + c · σ ⊙ z(seed) (the mean for seed None) written into `views` (by name, in their
-    dtype); returns the served-noise ratio and the fingerprint of the values written."""
+               sigma: Mapping[str, torch.Tensor], seed: int | None, scale: float,
+               rank: int = 0) -> tuple[float, tuple[int, int]]:
+    """θ̂ = m + c · σ ⊙ z(seed) (the mean for seed None; z of rank `rank` per matrix when > 0) written
+    into `views` (by name, in their dtype); returns the served-noise ratio and the fingerprint of the
+    values written."""
     served, intended, parts = 0.0, 0.0, []
     for name, view in views.items():
-        theta = param_noise.perturbed(mean[name], sigma[name], seed, name, scale) if (
+        theta = param_noise.perturbed(mean[name], sigma[name], seed, name, scale, rank=rank) if (
             seed is not None and name in sigma) else mean[name].detach().float()
         cast = theta.to(view.dtype)
         view.copy_(cast)

@@ -84,12 +84,12 @@ class VLLMEngine:
         self.staged: str | None = None  # the staged (m, σ) file workers in other processes map
 
     def load_version(self, version: int, mean: Mapping[str, np.ndarray],
-                     sigma: Mapping[str, np.ndarray] | None, mean_checksum: str) -> None:
+                     sigma: Mapping[str, np.ndarray] | None, mean_checksum: str, noise_rank: int = 0) -> None:
         if self.cfg.tensor_parallel_size > 1:  # workers in other processes: a staged file, by path
             path = stage_version(mean, sigma, staging_dir(), f"threepo-vllm-{os.getpid()}-{self.engine_id}-v{version}")
-            args = (version, path, None, mean_checksum)
+            args = (version, path, None, mean_checksum, noise_rank)
         else:
-            path, args = None, (version, dict(mean), None if sigma is None else dict(sigma), mean_checksum)
+            path, args = None, (version, dict(mean), None if sigma is None else dict(sigma), mean_checksum, noise_rank)
         try:
             received = self.llm.collective_rpc("threepo_load_version", args=args)
         except BaseException:

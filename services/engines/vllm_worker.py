@@ -42,9 +42,10 @@ from threepo.services.engines.staging import mapped_safetensors
 class ThreepoWorkerExtension:
     """Methods added to vLLM's worker; state lives in `_threepo_*` attributes of the worker."""
 
-    def threepo_load_version(self, version: int, mean: dict | str, sigma: dict | None, mean_checksum: str) -> str:
+    def threepo_load_version(self, version: int, mean: dict | str, sigma: dict | None, mean_checksum: str,
+                             noise_rank: int = 0) -> str:
         """Take (m, σ) of `version` (arrays by name, or the path of a staged file holding `m/<name>` and
-        `s/<name>`, then `sigma` is None) and serve the mean; return the checksum of the mean as
+        `s/<name>`, then `sigma` is None; slots of rank-`noise_rank` noise) and serve the mean; return the checksum of the mean as
         received. A mean whose checksum differs from `mean_checksum` is not taken (the worker keeps
         what it held); the caller raises."""
         if isinstance(mean, str):
@@ -59,6 +60,7 @@ class ThreepoWorkerExtension:
         if received != mean_checksum:
             return received
         self._threepo_mean, self._threepo_sigma, self._threepo_version = held, sigma_held, version
+        self._threepo_rank = noise_rank
         self.threepo_serve(None)
         return received
 
@@ -68,7 +70,8 @@ class ThreepoWorkerExtension:
         the served / intended noise energies."""
         fed, energy = [], [0.0, 0.0]
         weights = param_noise.iter_served(self._threepo_mean, self._threepo_sigma or {}, seed, scale, self.device,
-                                          self.model_config.dtype, fed, energy if seed is not None else None)
+                                          self.model_config.dtype, fed, energy if seed is not None else None,
+                                          self._threepo_rank)
         self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         _repack_tied_cpu_weights(self.model_runner.get_model())
         expected = param_noise.combined_fingerprint(fed)

@@ -55,10 +55,10 @@ class Pending:
 class BesideProcess:
     """No-grad token log-probs at posterior samples θ̂(seed, c) = m + c · σ ⊙ z(seed), computed by
     a process of its own on its copy of the model at `model_path` (`named`: the learner's trainable
-    parameters, whose m and σ it is sent)."""
+    parameters, whose m and σ it is sent; `noise_rank`: z's rank per matrix, 0 full)."""
 
     def __init__(self, model_path: str, named: list[tuple[str, torch.Tensor]], temperature: float,
-                 chunk: int = 0, bf16: bool = False) -> None:
+                 chunk: int = 0, bf16: bool = False, noise_rank: int = 0) -> None:
         self.names, shapes = [n for n, _ in named], [tuple(p.shape) for _, p in named]
         total = sum(p.numel() for _, p in named)
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -78,7 +78,7 @@ class BesideProcess:
         self._stop = weakref.finalize(self, _stop, self.proc)
         self.ready, self.unanswered = False, 0
         self._send({"model_path": model_path, "names": self.names, "shapes": shapes, "fd": fd,
-                    "temperature": temperature, "chunk": chunk, "bf16": bf16})
+                    "temperature": temperature, "chunk": chunk, "bf16": bf16, "noise_rank": noise_rank})
 
     def is_ready(self, wait_s: float = 0.0) -> bool:
         """Whether the process has loaded its model, waiting at most `wait_s` for it."""
@@ -188,7 +188,7 @@ def main() -> None:
             done = []
             with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=init["bf16"], cache_enabled=False):  # as the learner
                 for (seed, scale), rows, input_ids, attn, mask, targets, run in points:
-                    load_perturbed(named, means, sigmas, seed, scale)
+                    load_perturbed(named, means, sigmas, seed, scale, init["noise_rank"])
                     logp = row_logprobs(model, input_ids, attn, mask, targets, run, init["temperature"], init["chunk"])
                     done.append(((seed, scale), rows, logp))
             send(("ok", done))

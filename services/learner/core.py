@@ -96,9 +96,9 @@ class Learner:
         self.chunk = head_chunk(self.model.config, self.budget)
         self.ref_model = load_model(model_path).to(self.device).eval() if algo.kl_coef else None
         # the drift forwards at slot weights in a process beside the update (config.has_drift_process)
-        self.beside = (BesideProcess(model_path, self.named, temperature, self.chunk, bf16) if beside and has_drift_process(
-            optim.name, self.ranks.world, deepspeed_stage, self.device.type) else None)
         noise = noise or NoiseConfig()
+        self.beside = (BesideProcess(model_path, self.named, temperature, self.chunk, bf16, noise.rank) if beside and
+                       has_drift_process(optim.name, self.ranks.world, deepspeed_stage, self.device.type) else None)
         self.optimizer = make_optimizer(self.model, self.named, optim, self.ranks, deepspeed_stage, noise)
         self.noise = make_noise_control(noise, serves_noise=self.optimizer.variational and algo.exploration != "grpo",
                                         n_slots=algo.n_slots, base_seed=algo.seed, temperature=temperature,
@@ -308,7 +308,8 @@ class Learner:
         mean, sigma = parts
         checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
         return PublishedVersion(learner_step=self.step_count, reason=reason, mean=mean, sigma=sigma,
-                                mean_checksum=checksum, slots=None if self.slots is None else tuple(self.slots))
+                                mean_checksum=checksum, slots=None if self.slots is None else tuple(self.slots),
+                                noise_rank=self.optimizer.noise_rank)
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Tensors and metadata of everything needed to continue exactly, asked of each part: the step

@@ -9,7 +9,8 @@ slot built as the engines will serve it (σ zero outside the noise mask, times c
 exceeds `noise.gate` × target is redrawn with the next seed (`exploration.noise_seed`), up to
 `_REDRAWS` times, keeping the closest draw if none passes. The version serves its slots at the scale
 just measured; the mean KL of the first draws (unbiased for the scale, unlike the gated ones) sets
-the next version's scale by the quadratic law. At the start, with no rollouts yet, the scale is
+the next version's scale: half the quadratic law's step in log c (`_GAIN`: the
+probe's sampling noise moves c less). At the start, with no rollouts yet, the scale is
 calibrated on the prompts in up to `_CALIBRATION` rounds before the first version is served. The scale
 stays at most `_MAX_SCALE`: where the noise cannot reach the target (a masked model's KL saturates)
 it stops there rather than growing without bound.
@@ -27,11 +28,14 @@ import torch
 from threepo.algorithms.exploration import noise_seed
 from threepo.algorithms.noise_mask import NoiseConfig
 from threepo.algorithms.noise_scale import next_noise_scale, policy_kl
+from threepo.services.prefix_forward import plain_head
 
 _POSITIONS = 64  # predicted tokens of each probe row
+_ROWS = 4  # probe rows per forward (a chunk's logits: rows × 64 × V floats)
 _REDRAWS = 3  # most new seeds for a slot over the gate
 _CALIBRATION = 6  # most measurements to set the first version's scale
 _CLOSE = math.log(1.25)  # calibration stops within a factor 1.25 of the target
+_GAIN = 0.5  # share of the quadratic law's step in log c per version (a probe's KL is noisy)
 _MAX_SCALE = 10.0  # a target the noise cannot reach (the KL saturates) leaves c here, not growing forever
 
 
@@ -79,7 +83,7 @@ class NoiseControl:
         self.latest = {"noise_scale": self.scale, "noise_kl": measured, "noise_kl_served_max": max(served),
                        "noise_redraws": float(redraws)}
         if self.cfg.target_kl:
-            self.scale = min(next_noise_scale(self.scale, measured, self.cfg.target_kl), _MAX_SCALE)
+            self.scale = min(next_noise_scale(self.scale, measured, self.cfg.target_kl, gain=_GAIN), _MAX_SCALE)
         return slots
 
     def _calibrate(self, model, optimizer, step: int, mean: torch.Tensor) -> None:
@@ -95,17 +99,31 @@ class NoiseControl:
             self.scale = min(next_noise_scale(self.scale, measured, self.cfg.target_kl, max_factor=100.0), _MAX_SCALE)
 
     @torch.no_grad()
-    def _kl(self, model, optimizer, seed: int, mean: torch.Tensor) -> float:
+    def _kl(self, model, optimizer, seed: int, mean: list[torch.Tensor]) -> float:
         """Mean per-token KL(π_θ̂ ‖ π_m) over the probe, θ̂ the slot `seed` at the current scale, served."""
+        total, count = 0.0, 0
         with optimizer.at(seed, train=False, scale=self.scale, served=True):
-            return float(policy_kl(self._logits(model), mean, self.temperature).mean())
+            for rows, at_mean in zip(self._chunks(), mean):
+                kl = policy_kl(self._chunk_logits(model, rows), at_mean, self.temperature)
+                total, count = total + float(kl.sum()), count + len(kl)
+        return total / max(count, 1)
 
     @torch.no_grad()
-    def _logits(self, model) -> torch.Tensor:
-        """Logits [P, V] at the probe's positions, one row at a time."""
-        ids, attn, where = self.probe
-        return torch.cat([model(input_ids=ids[r:r + 1], attention_mask=attn[r:r + 1]).logits[0, :-1][where[r]].float()
-                          for r in range(len(ids))])
+    def _logits(self, model) -> list[torch.Tensor]:
+        """Logits [P_i, V] at the probe's positions, per chunk of rows (`_chunks`)."""
+        return [self._chunk_logits(model, rows) for rows in self._chunks()]
+
+    def _chunks(self) -> list[slice]:
+        return [slice(r, r + _ROWS) for r in range(0, len(self.probe[0]), _ROWS)]
+
+    def _chunk_logits(self, model, rows: slice) -> torch.Tensor:
+        """The logits where the probe's `rows` predict a token: the head on those positions only
+        where the model's logits are its head on its body's output (`prefix_forward.plain_head`)."""
+        ids, attn, where = (t[rows] for t in self.probe)
+        if plain_head(model):
+            hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1][where]
+            return model.get_output_embeddings()(hidden).float()
+        return model(input_ids=ids, attention_mask=attn).logits[:, :-1][where].float()
 
     def state(self) -> dict:
         return {"noise_scale": self.scale, "noise_calibrated": self.calibrated}

@@ -59,6 +59,7 @@ class IVONPosterior:
     def __init__(self, named: list, optim: OptimConfig, ranks, noise: NoiseConfig = NoiseConfig()) -> None:
         self.named, self.ranks = named, ranks
         self.noised = noised_names([n for n, _ in named], noise.modules, noise.layers)  # what slots perturb
+        self.noise_rank = noise.rank  # z's rank per matrix in a served slot (0: full)
         if not self.noised:
             raise ValueError(f"noise.modules={noise.modules}, noise.layers={list(noise.layers)}: no parameter of this "
                              "model matches, so no slot would be perturbed; widen noise.layers or set "
@@ -70,9 +71,9 @@ class IVONPosterior:
     def at(self, seed: int | None, train: bool = True, scale: float = 1.0, served: bool = False):
         """Every rank's model at θ̂ = m + c · σ ⊙ z(seed), c = `scale` (≠ 1 only to rebuild a scaled
         slot, never to train); `served`: a served slot, σ zero outside the noise mask (never to
-        train); with train=True the body's gradients are folded into IVON's samples."""
+        train; its z of rank `noise.rank`); with train=True the body's gradients are folded into IVON's samples."""
         sigma = MaskedSigma(self.ivon.sigma_by_name(), self.noised) if served else None
-        return self.ranks.sampled(self.ivon, self.named, seed, train, scale, sigma)
+        return self.ranks.sampled(self.ivon, self.named, seed, train, scale, sigma, self.noise_rank if served else 0)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -145,6 +146,7 @@ class AdamW:
     """torch's AdamW on the model's parameters, every rank holding its state whole; `torch` is it."""
 
     variational = False  # gradients at the weights themselves; the drift is update 0's own forward
+    noise_rank = 0  # no slot noise
 
     def __init__(self, named: list, optim: OptimConfig, ranks) -> None:
         self.named, self.ranks, self.grad_clip = named, ranks, optim.grad_clip

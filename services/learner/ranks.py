@@ -66,8 +66,8 @@ class SingleRank:
     def denominators(self, mask: torch.Tensor) -> dict:
         return {}  # aggregate_loss takes its own: the whole point is here
 
-    def sampled(self, opt, named: list, seed: int | None, train: bool, scale: float = 1.0, sigma=None):
-        return opt.sampled_params(seed, train=train, scale=scale, sigma=sigma)
+    def sampled(self, opt, named: list, seed: int | None, train: bool, scale: float = 1.0, sigma=None, rank: int = 0):
+        return opt.sampled_params(seed, train=train, scale=scale, sigma=sigma, rank=rank)
 
     def all_reduce_grads(self, named: list) -> None:
         pass
@@ -133,11 +133,11 @@ class Ranks:
 
     @contextlib.contextmanager
     def sampled(self, opt, named: list, seed: int | None, train: bool, scale: float = 1.0,
-                sigma=None) -> Iterator[None]:
+                sigma=None, rank: int = 0) -> Iterator[None]:
         """Every rank's model at θ̂(seed, scale) (the owners' tensors, broadcast; `sigma`: the owners'
-        σ to build it with, default the posterior's); with train=True the body's gradients are summed
-        over ranks before IVON folds its own tensors' share in."""
-        with opt.sampled_params(seed, train=train, scale=scale, sigma=sigma):
+        σ to build it with, default the posterior's; `rank`: z's rank per matrix, 0 full); with
+        train=True the body's gradients are summed over ranks before IVON folds its own tensors' share in."""
+        with opt.sampled_params(seed, train=train, scale=scale, sigma=sigma, rank=rank):
             self.broadcast_from_owners(named)
             yield
             if train:

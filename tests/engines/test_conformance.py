@@ -47,9 +47,9 @@ class Learner:
         return mean, sigma, weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
 
     @torch.no_grad()
-    def logprobs(self, prompt_ids, token_ids, seed, scale=1.0, sigma=None, **filters) -> np.ndarray:
+    def logprobs(self, prompt_ids, token_ids, seed, scale=1.0, sigma=None, rank=0, **filters) -> np.ndarray:
         ids = torch.tensor([list(prompt_ids) + list(token_ids)])
-        with self.opt.sampled_params(seed, train=False, scale=scale, sigma=sigma):
+        with self.opt.sampled_params(seed, train=False, scale=scale, sigma=sigma, rank=rank):
             logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1]
         logp = sampling_logprobs(logits, temperature=filters.get("temperature", 1.0),
                                  top_k=filters.get("top_k", 0), top_p=filters.get("top_p", 1.0))
@@ -87,12 +87,12 @@ def _truncating(backend: str, eng, filters: dict) -> bool:
     return True
 
 
-def _assert_matches_learner(learner, requests, outputs, seed, filters, scale=1.0, sigma=None):
+def _assert_matches_learner(learner, requests, outputs, seed, filters, scale=1.0, sigma=None, rank=0):
     checked = 0
     for r, samples in zip(requests, outputs):
         assert len(samples) == r.n
         for s in samples:
-            expected = learner.logprobs(r.prompt_ids, s.token_ids, seed, scale, sigma, **filters)
+            expected = learner.logprobs(r.prompt_ids, s.token_ids, seed, scale, sigma, rank, **filters)
             np.testing.assert_allclose(s.logprobs, expected, atol=1e-4)
             checked += len(s.token_ids)
     assert checked > 0
@@ -159,6 +159,25 @@ def test_a_slot_under_a_noise_mask_is_exactly_the_mean_outside_it(served, learne
         _assert_matches_learner(learner, requests, outputs, 2026, {})
     with pytest.raises(AssertionError):  # and the MLP noise is there: not the mean
         _assert_matches_learner(learner, requests, outputs, None, {})
+
+
+def test_a_version_with_low_rank_noise_serves_the_learners_low_rank_slot(served, learner):
+    """noise.rank=2: every slot of the version draws z of rank 2 per matrix; the engine's slot is the
+    learner's rank-2 θ̂ (rebuilt as the learner's drift and noise control do), not the full-noise one."""
+    backend, eng = served
+    mean, sigma, checksum = learner.published()
+    eng.load_version(3, mean, sigma, checksum, 2)  # noise_rank (positional: the vLLM engine is remote)
+    assert eng.serve(NoiseSpec(3, 2026, scale=4.0)).loaded_ok  # c = 4: the two slots differ visibly
+    if backend == "hf":  # each served matrix's noise is of rank 2, the vectors' noise full
+        served_now = eng.served()
+        for name, m in mean.items():
+            delta = served_now[name].float() - torch.from_numpy(m)
+            assert torch.linalg.matrix_rank(delta).item() == 2 if delta.ndim == 2 else bool((delta != 0).all()), name
+    requests = _requests(eng)
+    outputs = eng.generate(requests, _params())
+    _assert_matches_learner(learner, requests, outputs, 2026, {}, scale=4.0, rank=2)
+    with pytest.raises(AssertionError):
+        _assert_matches_learner(learner, requests, outputs, 2026, {}, scale=4.0)
 
 
 def test_the_same_version_slot_and_request_seed_reproduce_the_completion(served):

@@ -26,6 +26,10 @@ def test_defaults_and_overrides():
     ("noise.modules=embeddings", "noise.modules: expected one of"),
     ("noise.layers=[1]", "noise.layers: expected [first, last]"),
     ("noise.layers=[0.5, 1]", "noise.layers[0]: expected int"),
+    ("noise.target_kl=-0.1", "noise.target_kl: expected >= 0"),
+    ("noise.gate=1", "noise.gate: expected 0 .off. or > 1"),
+    ("noise.rank=-1", "noise.rank: expected an integer >= 0"),
+    ("noise.probe_rows=0", "noise.probe_rows: expected an integer >= 1"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):

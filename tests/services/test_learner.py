@@ -68,7 +68,7 @@ def _groups(sampler, learner, exploration, n_slots, group_size, rewards_seed=0, 
     for item in generate_items("arith", "train", 3, seed=1):
         by_group: dict[int, list] = {}
         for slot in plan.slots:
-            theta = perturbed_state(mean, sigma, slot.seed, scale * slot.scale)
+            theta = perturbed_state(mean, sigma, slot.seed, scale * slot.scale, rank=pv.noise_rank)
             with torch.no_grad():
                 for name, p in trainable_named_parameters(model):
                     p.copy_(theta[name])
@@ -97,10 +97,10 @@ def _train_seeds(learner) -> list:
     """Records the seed of every IVON training sample the learner takes (sampled_params, train=True)."""
     seen, original = [], learner.optimizer.ivon.sampled_params
 
-    def spy(seed, train=True, scale=1.0, sigma=None):
+    def spy(seed, train=True, scale=1.0, sigma=None, rank=0):
         if train:
             seen.append(seed)
-        return original(seed, train, scale, sigma)
+        return original(seed, train, scale, sigma, rank)
     learner.optimizer.ivon.sampled_params = spy
     return seen
 
@@ -526,7 +526,7 @@ def test_the_gate_redraws_a_slot_whose_kl_exceeds_it_and_serves_the_closest_draw
                       noise_prompts=_prompts(sampler))
     control = learner.noise
     control.calibrated, control.scale = True, 1.8  # slots around the target on this model (no calibration)
-    mean = control._logits(learner.model)
+    mean = control._logits(learner.model)  # per chunk of probe rows
     draws = [[control._kl(learner.model, learner.optimizer, noise_seed(0, 0, i, d), mean) for d in range(4)]
              for i in range(4)]
     slots = control.plan(learner.model, learner.optimizer, step=0)
@@ -539,3 +539,27 @@ def test_the_gate_redraws_a_slot_whose_kl_exceeds_it_and_serves_the_closest_draw
     assert redraws == control.latest["noise_redraws"] > 0, draws
     assert control.latest["noise_kl"] == pytest.approx(sum(d[0] for d in draws) / 4)
     assert control.latest["noise_kl_served_max"] < max(d[0] for d in draws)  # the oversized first draw is not served
+
+
+def test_low_rank_slot_noise_is_published_and_rebuilt_at_its_rank_while_training_samples_stay_full(sampler, tiny_dense_path):
+    from threepo.algorithms.exploration import noise_seed
+    from threepo.algorithms.param_noise import perturbed
+
+    learner = Learner(tiny_dense_path, AlgoConfig(exploration="c3po", n_slots=4, group_size=8), OptimConfig(),
+                      SyncConfig(max_staleness=4, kappa=1.0, eta=1e-6), temperature=1.0, max_new_tokens=10,
+                      noise=NoiseConfig(rank=1), noise_prompts=_prompts(sampler))
+    pv = learner.published("start")
+    assert pv.noise_rank == 1
+    seed, scale = pv.slots[0]
+    assert seed == noise_seed(0, 0, 0, 0)
+    mean, sigma = learner.optimizer.served_posterior()
+    name = next(n for n in learner.optimizer.noised if "mlp" in n)
+    with learner.optimizer.at(seed, train=False, scale=scale, served=True):  # the slot the engines serve
+        served = dict(learner.model.named_parameters())[name].detach().clone()
+    assert torch.equal(served, perturbed(mean[name], sigma[name], seed, name, scale, rank=1))
+    assert torch.linalg.matrix_rank(served - mean[name]).item() == 1
+    with pytest.raises(ValueError, match="full-rank noise"):
+        with learner.optimizer.ivon.sampled_params(seed, train=True, rank=1):
+            pass
+    # rollouts of the rank-1 slots are their own slots rebuilt: no drift; the step trains with full samples
+    assert _step(learner, _groups(sampler, learner, "c3po", 4, 8)).metrics["kl_k3_drift"] < 1e-5

@@ -34,7 +34,7 @@ class CountingEngine:
     def __init__(self, inner):
         self.inner, self.serves, self.generates = inner, [], []
 
-    def load_version(self, version, mean, sigma, mean_checksum):
+    def load_version(self, version, mean, sigma, mean_checksum, noise_rank=0):
         self.inner.load_version(version, mean, sigma, mean_checksum)
 
     def serve(self, noise):
