@@ -14,8 +14,9 @@ any dtype). `noised_names` chooses them:
   (-1: the last layer). A tensor outside any decoder layer is noised only under "everything".
 
 `MaskedSigma` is σ with zeros outside the mask: what the learner publishes for the engines and what
-it rebuilds a served slot with. `NoiseConfig` is the run's `[noise]` section. Importing this module
-imports no torch (the config reads it).
+it rebuilds a served slot with. `NoiseConfig` is the run's `[noise]` section: the mask, and how much
+noise a slot serves (the target KL its scale is held at: services/learner/noise_control.py) and of
+what rank (param_noise.low_rank_noise). Importing this module imports no torch (the config reads it).
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ scored by their last number as `real_model.py` learns them) and each KL level of
 - noise arms, θ̂ = m + c · σ ⊙ z with IVON's initial σ (uniform, what a run's first version serves):
   `full` (noise.modules=everything), `masked` (the default mask: decoder-layer weights, no embeddings,
   head, norms or biases), `mlp` (noise.modules=mlp), `lowrank` (the default mask, noise.rank=`--rank`);
-  c set by the learner's own noise control (services/learner/noise_control.py: calibrated to the level
-  within 1.25x), then `--samples` slots drawn at that c, one completion of every prompt each.
+  the `--samples` slots chosen by the learner's own noise control (services/learner/noise_control.py:
+  c calibrated until the median slot's KL is within 1.25x of the level, a slot over 4x the level
+  redrawn), one completion of every prompt each.
 KL is measured exactly as the noise control measures it: over the vocabulary at the first 64
 predicted tokens of the mean's own completions of the first 16 prompts (the probe).
 Per arm and level: pass@k for k = 1, 4, 16, 64 (≤ `--samples`; the unbiased estimator over the
@@ -124,21 +125,21 @@ class Bench:
         self.engine.load_version(self.version, self.mean, sigma, self.checksum, rank)
 
     # --- matching the KL ---------------------------------------------------------------------------
-    def noise_scale(self, arm: dict, level: float, start: float) -> tuple[float, float, set]:
-        """(c, measured KL, noised names) of the arm at `level`, by the learner's noise control."""
+    def noise_slots(self, arm: dict, level: float, start: float, level_index: int) -> tuple[list, dict, set]:
+        """The `samples` slots of the arm at `level` as the learner's noise control chooses them (the
+        scale calibrated from `start`, slots over its gate redrawn), its metrics, and the noised names."""
         from threepo.algorithms.noise_mask import NoiseConfig
         from threepo.services.learner.noise_control import NoiseControl
         from threepo.services.learner.optimizers import IVONPosterior
         from threepo.services.learner.ranks import SingleRank
 
-        noise = NoiseConfig(**arm, target_kl=level, gate=0.0)
+        noise = NoiseConfig(**arm, target_kl=level)
         optimizer = IVONPosterior(self.named, self.cfg.optim, SingleRank(), noise)
-        control = NoiseControl(noise, n_slots=4, base_seed=1, temperature=self.temperature)
+        control = NoiseControl(noise, n_slots=self.samples, base_seed=7, temperature=self.temperature)
         control.scale = start
         control.observe(*self.probe)
-        control.plan(self.model, optimizer, step=0)
-        measured, scale = control.latest["noise_kl"], control.latest["noise_scale"]
-        return scale, measured, optimizer.noised
+        slots = control.plan(self.model, optimizer, step=level_index)
+        return slots, control.latest, optimizer.noised
 
     def temperature_for(self, level: float) -> tuple[float, float]:
         """(T', KL(π_m^T' ‖ π_m^T)) with T' ≥ T solving for `level` by bisection on the probe's logits."""
@@ -163,16 +164,15 @@ class Bench:
         return hi, kl(hi)
 
     # --- sampling and scoring ----------------------------------------------------------------------
-    def sample_noise(self, scale: float, noised: set, rank: int, level_index: int) -> list[list]:
-        """`samples` slots at scale c, each one completion of every prompt: [prompt][slot] samples."""
-        from threepo.algorithms.exploration import noise_seed
+    def sample_noise(self, slots: list, noised: set, rank: int) -> list[list]:
+        """Each (seed, scale) slot's completion of every prompt: [prompt][slot] samples."""
         from threepo.services.engines.base import EngineRequest
         from threepo.services.messages import NoiseSpec
 
         self._load(rank, noised)
         prompts = [self.encoder.encode(it.prompt, it.verifier) for it in self.items]
-        groups = [(NoiseSpec(self.version, noise_seed(7, level_index, s, 0), scale),
-                   [EngineRequest(p, 1, 1000 * s + i) for i, p in enumerate(prompts)]) for s in range(self.samples)]
+        groups = [(NoiseSpec(self.version, seed, scale), [EngineRequest(p, 1, 1000 * s + i) for i, p in enumerate(prompts)])
+                  for s, (seed, scale) in enumerate(slots)]
         out = self.engine.generate_slots(groups, self._params(self.temperature, 1))
         return [[out[s][2][i][0] for s in range(self.samples)] for i in range(len(prompts))]
 
@@ -229,10 +229,11 @@ def run_model(name: str, args) -> list[dict]:
         print(rows[-1])
         for arm, spec in ARMS.items():
             rank = args.rank if arm == "lowrank" else 0
-            scale, kl, noised = bench.noise_scale({**spec, "rank": rank}, level, scales[arm])
-            scales[arm] = scale
-            rows.append({"model": name, "arm": arm, "level": level, "kl": kl, "knob": scale,
-                         **bench.score(bench.sample_noise(scale, noised, rank, li))})
+            slots, latest, noised = bench.noise_slots({**spec, "rank": rank}, level, scales[arm], li)
+            scales[arm] = latest["noise_scale"]
+            rows.append({"model": name, "arm": arm, "level": level, "kl": latest["noise_kl"], "knob": scales[arm],
+                         "kl_served_max": latest["noise_kl_served_max"], "redraws": latest["noise_redraws"],
+                         **bench.score(bench.sample_noise(slots, noised, rank))})
             print(rows[-1])
         print(f"{name}: level {level} in {time.perf_counter() - started:.0f} s")
     bench.close()

@@ -301,7 +301,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "number of completions.", "algorithm"),
     _g("threepo_noise_scale", "Sigma scale c the latest version's slots serve (theta = m + c * sigma * z; noise control).",
        "algorithm"),
-    _g("threepo_noise_kl", "Per-token KL of the latest version's slots to the mean, on the noise control's probe.",
+    _g("threepo_noise_kl", "Median per-token KL of the latest version's slots to the mean, on the noise control's probe.",
        "algorithm"),
     _c("threepo_noise_redraws_total", "Slots redrawn by the noise KL gate.", "algorithm"),
     _h("threepo_learner_step_seconds", "Wall time of one learner step.", SECONDS_BUCKETS, "algorithm"),

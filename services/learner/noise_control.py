@@ -8,20 +8,24 @@ training prompts it was given), exactly over the vocabulary at the sampler's tem
 slot built as the engines will serve it (σ zero outside the noise mask, times c). A slot whose KL
 exceeds `noise.gate` × target is redrawn with the next seed (`exploration.noise_seed`), up to
 `_REDRAWS` times, keeping the closest draw if none passes. The version serves its slots at the scale
-just measured; the mean KL of the first draws (unbiased for the scale, unlike the gated ones) sets
-the next version's scale: half the quadratic law's step in log c (`_GAIN`: the
-probe's sampling noise moves c less). At the start, with no rollouts yet, the scale is
-calibrated on the prompts in up to `_CALIBRATION` rounds before the first version is served. The scale
+just measured; the median KL of the first draws (of the scale, not of the gate's choice) sets the
+next version's scale: half the quadratic law's step in log c (`_GAIN`: the probe's sampling noise
+moves c less). The median, not the mean: a slot's KL is heavy-tailed in z (on the embedded model at
+twice the target's scale, one draw in eight measured 25x the others' KL, a draw that breaks the
+policy), which is the gate's business, not the scale's. At the start, with no rollouts yet, the scale
+is calibrated on the prompts, on the first `_CALIBRATION_SLOTS` slots, in up to `_CALIBRATION`
+rounds before the first version is served. The scale
 stays at most `_MAX_SCALE`: where the noise cannot reach the target (a masked model's KL saturates)
 it stops there rather than growing without bound.
 
-The metrics (every step logs the latest version's): noise_scale (c served), noise_kl (mean first-draw
+The metrics (every step logs the latest version's): noise_scale (c served), noise_kl (median first-draw
 KL at it), noise_kl_served_max (the largest KL among the served slots), noise_redraws.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 
 import torch
 
@@ -34,6 +38,7 @@ _POSITIONS = 64  # predicted tokens of each probe row
 _ROWS = 4  # probe rows per forward (a chunk's logits: rows × 64 × V floats)
 _REDRAWS = 3  # most new seeds for a slot over the gate
 _CALIBRATION = 6  # most measurements to set the first version's scale
+_CALIBRATION_SLOTS = 8  # slots measured per calibration round
 _CLOSE = math.log(1.25)  # calibration stops within a factor 1.25 of the target
 _GAIN = 0.5  # share of the quadratic law's step in log c per version (a probe's KL is noisy)
 _MAX_SCALE = 10.0  # a target the noise cannot reach (the KL saturates) leaves c here, not growing forever
@@ -56,12 +61,16 @@ class NoiseControl:
         where = mask[rows].bool() & (mask[rows].cumsum(1) <= _POSITIONS)
         self.probe = (input_ids[rows].detach(), attn[rows].detach(), where)
 
-    @torch.no_grad()
     def plan(self, model, optimizer, step: int) -> list[tuple[int, float]] | None:
         """(seed, scale) of each slot of the version published at learner step `step`, or None without a
-        probe (the posterior server then plans its own seeds at scale 1)."""
+        probe (the posterior server then plans its own seeds at scale 1). Measured in fp32 whatever the
+        learner's mixed precision: a KL of 0.01 is below bf16's rounding of the logits."""
         if self.probe is None:
             return None
+        with torch.no_grad(), torch.autocast(self.probe[0].device.type, enabled=False):
+            return self._plan(model, optimizer, step)
+
+    def _plan(self, model, optimizer, step: int) -> list[tuple[int, float]]:
         mean = self._logits(model)  # between updates the model holds m
         if not self.calibrated:
             self._calibrate(model, optimizer, step, mean)
@@ -79,7 +88,7 @@ class NoiseControl:
             kl, seed = min(tried)
             served.append(kl)
             slots.append((seed, self.scale))
-        measured = sum(firsts) / len(firsts)
+        measured = statistics.median(firsts)
         self.latest = {"noise_scale": self.scale, "noise_kl": measured, "noise_kl_served_max": max(served),
                        "noise_redraws": float(redraws)}
         if self.cfg.target_kl:
@@ -92,11 +101,11 @@ class NoiseControl:
         if not self.cfg.target_kl:
             return
         for _ in range(_CALIBRATION):
-            kls = [self._kl(model, optimizer, noise_seed(self.base_seed, step, i, 0), mean) for i in range(self.n_slots)]
-            measured = sum(kls) / len(kls)
+            measured = statistics.median(self._kl(model, optimizer, noise_seed(self.base_seed, step, i, 0), mean)
+                                         for i in range(min(self.n_slots, _CALIBRATION_SLOTS)))
             if measured > 0 and abs(math.log(measured / self.cfg.target_kl)) < _CLOSE:
                 return
-            self.scale = min(next_noise_scale(self.scale, measured, self.cfg.target_kl, max_factor=100.0), _MAX_SCALE)
+            self.scale = min(next_noise_scale(self.scale, measured, self.cfg.target_kl, max_factor=10.0), _MAX_SCALE)
 
     @torch.no_grad()
     def _kl(self, model, optimizer, seed: int, mean: list[torch.Tensor]) -> float:

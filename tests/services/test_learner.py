@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -537,7 +538,7 @@ def test_the_gate_redraws_a_slot_whose_kl_exceeds_it_and_serves_the_closest_draw
         assert seed == noise_seed(0, 0, i, chosen) and scale == 1.8
         redraws += passing[0] if passing else 3
     assert redraws == control.latest["noise_redraws"] > 0, draws
-    assert control.latest["noise_kl"] == pytest.approx(sum(d[0] for d in draws) / 4)
+    assert control.latest["noise_kl"] == pytest.approx(statistics.median(d[0] for d in draws))  # of the first draws
     assert control.latest["noise_kl_served_max"] < max(d[0] for d in draws)  # the oversized first draw is not served
 
 
