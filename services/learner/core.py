@@ -298,9 +298,10 @@ class Learner:
     def published(self, reason: str = "") -> PublishedVersion | None:
         """The current mean and σ (AdamW: None) as fp32 numpy (what the posterior server stores as its
         next version) with the mean's exact checksum, which every engine checks on receipt; `reason`
-        records why it is published (start, kl, ess, staleness). Among R ranks rank 0 returns it,
-        gathered from the owners; the other ranks return None."""
-        if self.slots is None:  # the first version: its slots are chosen now (the noise control)
+        records why it is published (start, kl, ess, staleness); with the slots the noise control chose
+        for the version the budget last published (the first version's, before any step, are chosen here) and the noise
+        rank. Among R ranks rank 0 returns it, gathered from the owners; the other ranks return None."""
+        if self.slots is None and not self.step_count:  # the first version: its slots are chosen now
             self.slots = self.noise.plan(self.model, self.optimizer, self.step_count)
         parts = self.optimizer.published()
         if parts is None:

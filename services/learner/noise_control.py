@@ -14,7 +14,8 @@ moves c less). The median, not the mean: a slot's KL is heavy-tailed in z (on th
 twice the target's scale, one draw in eight measured 25x the others' KL, a draw that breaks the
 policy), which is the gate's business, not the scale's. At the start, with no rollouts yet, the scale
 is calibrated on the prompts, on the first `_CALIBRATION_SLOTS` slots, in up to `_CALIBRATION`
-rounds before the first version is served. The scale
+rounds (the quadratic law's step, then bisection once the target is bracketed) before the first
+version is served. The scale
 stays at most `_MAX_SCALE`: where the noise cannot reach the target (a masked model's KL saturates)
 it stops there rather than growing without bound.
 
@@ -37,7 +38,7 @@ from threepo.services.prefix_forward import plain_head
 _POSITIONS = 64  # predicted tokens of each probe row
 _ROWS = 4  # probe rows per forward (a chunk's logits: rows × 64 × V floats)
 _REDRAWS = 3  # most new seeds for a slot over the gate
-_CALIBRATION = 6  # most measurements to set the first version's scale
+_CALIBRATION = 8  # most measurements to set the first version's scale
 _CALIBRATION_SLOTS = 8  # slots measured per calibration round
 _CLOSE = math.log(1.25)  # calibration stops within a factor 1.25 of the target
 _GAIN = 0.5  # share of the quadratic law's step in log c per version (a probe's KL is noisy)
@@ -95,17 +96,22 @@ class NoiseControl:
             self.scale = min(next_noise_scale(self.scale, measured, self.cfg.target_kl, gain=_GAIN), _MAX_SCALE)
         return slots
 
-    def _calibrate(self, model, optimizer, step: int, mean: torch.Tensor) -> None:
-        """Set the scale before the first version is served: measure, take the quadratic law's step, repeat."""
+    def _calibrate(self, model, optimizer, step: int, mean: list[torch.Tensor]) -> None:
+        """Set the scale before the first version is served: measure, take the quadratic law's step, and
+        once a scale below and one above the target are known, bisect between them in log c (a real
+        policy's KL grows faster than c² past a point, where the quadratic step overshoots)."""
         self.calibrated = True
         if not self.cfg.target_kl:
             return
+        below, above = 0.0, math.inf
         for _ in range(_CALIBRATION):
             measured = statistics.median(self._kl(model, optimizer, noise_seed(self.base_seed, step, i, 0), mean)
                                          for i in range(min(self.n_slots, _CALIBRATION_SLOTS)))
             if measured > 0 and abs(math.log(measured / self.cfg.target_kl)) < _CLOSE:
                 return
-            self.scale = min(next_noise_scale(self.scale, measured, self.cfg.target_kl, max_factor=10.0), _MAX_SCALE)
+            below, above = (max(below, self.scale), above) if measured < self.cfg.target_kl else (below, min(above, self.scale))
+            step_to = next_noise_scale(self.scale, measured, self.cfg.target_kl, max_factor=10.0)
+            self.scale = min(math.sqrt(below * above) if below and above < math.inf else step_to, _MAX_SCALE)
 
     @torch.no_grad()
     def _kl(self, model, optimizer, seed: int, mean: list[torch.Tensor]) -> float:
