@@ -20,7 +20,9 @@ fraction (groups of 8 whose rewards are all equal). An answer is the last \boxed
 the last number written (none: no answer, counted as one).
 
 Targets (issue 25): at matched KL, masked noise's malformed rate ≤ temperature's and its pass@16 ≥
-temperature's on at least one of the two models. Writes benchmarks/results/noise_quality.{json,md,png}.
+temperature's on at least one of the two models. Writes benchmarks/results/noise_quality.{json,md,png};
+the rows of a model not measured this time are kept from the JSON file (`--models smollm2` adds the
+real model to an earlier run's embedded rows).
 
     python3 benchmarks/noise_quality.py --quick                # smoke: embedded model, one level
     python3 benchmarks/noise_quality.py                        # both models (~40 min on 2 cores)
@@ -28,7 +30,9 @@ temperature's on at least one of the two models. Writes benchmarks/results/noise
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
 
 import _common
@@ -291,9 +295,13 @@ def main() -> None:
     if args.quick:
         args.models, args.kls = ["embedded"], args.kls[1:2]
         args.prompts, args.samples = args.prompts or 16, args.samples or 16
-    rows = []
+    path, rows = _common.results_path("noise_quality", args.quick), []
+    if os.path.exists(path):  # the other models' rows stay: a model can be (re)measured on its own
+        with open(path) as f:
+            rows = [r for r in json.load(f)["rows"] if r["model"] not in args.models]
     for name in args.models:
         rows += run_model(name, args)
+        _common.write_results("noise_quality", {"args": vars(args), "rows": rows})
     headers = ["model", "arm", "level", "kl", "knob", "pass@1", "pass@4", "pass@16", "pass@64", "distinct",
                "malformed", "zero-adv"]
     table = _common.table("noise quality (knob: T' for temperature, σ scale c for noise)", headers,
