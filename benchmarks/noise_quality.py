@@ -282,6 +282,7 @@ def figure(rows: list[dict], path: str) -> None:
             if metric in mean:
                 ax.axhline(mean[metric], color="grey", linestyle=":", label="mean policy")
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # decades only: no overlapping labels
             ax.set_xlabel("per-token KL to the mean (nats)")
             ax.set_title(f"{model}: {metric}")
         axes[i][0].legend(fontsize=7)
