@@ -254,9 +254,11 @@ def test_vp2o_on_the_tiny_moe(ray_session, tmp_path, tiny_moe_path):
 
 def test_dead_group_aware_exploration_and_dynamic_filter_keep_records_exact(ray_session, tmp_path, tiny_dense_path):
     # the random tiny model fails almost every rollout: dead prompts come back with σ × 2, and the
-    # filter drops one equal-reward prompt per step and admits another in its place
+    # filter drops one equal-reward prompt per step and admits another in its place; without the
+    # noise control every version's slots have c = 1, so a re-admitted slot's c is 2 exactly (with it,
+    # 2 × the version's c: ExplorationPlan.scaled multiplies, tests/algorithms/test_exploration.py)
     cfg = _cfg(tmp_path, tiny_dense_path, "runtime.steps=4", "algo.readmit_fraction=0.5", "algo.dead_group_scale=2.0",
-               "algo.dynamic_filter=true", "algo.filter_replacements=0.5")
+               "algo.dynamic_filter=true", "algo.filter_replacements=0.5", "noise.target_kl=0")
     run_dir = make_run_dir(cfg, "train")
     summary = train(cfg, run_dir, tiny_dense_path)
     from threepo.services.batching import logged_groups
