@@ -149,10 +149,10 @@ class Learner:
                    "updates": float(len(updates)), "filtered_groups": float((~keep).sum())}
         drift = (metrics["kl_k3_drift"], metrics["ess_frac_drift"]) if len(measured) else _NO_DRIFT
         decision = self._sync_decision(*drift, self.steps_since_sync)
-        self.noise.observe(batch.input_ids, batch.attn, batch.mask)
         if decision.publish:
             self.around.on_sync()
             self.steps_since_sync = 0
+            self.noise.observe(batch.input_ids, batch.attn, batch.mask)  # the probe: this step's rollouts
             self.slots = self.noise.plan(self.model, self.optimizer, self.step_count)
         metrics.update(self.noise.latest)
         metrics["step_time_s"] = time.perf_counter() - started
