@@ -132,6 +132,14 @@ def row_logprobs(model, input_ids: torch.Tensor, attn: torch.Tensor, mask: torch
     return row_token_stats(model, input_ids, attn, mask, targets, run, temperature, chunk_tokens=chunk_tokens)[0]
 
 
+def position_logits(model, input_ids: torch.Tensor, attn: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """Logits [P, V] (fp32) at the positions `where` [R, L-1] marks, of a plain forward of the rows: the
+    head on those positions only where `plain_head` holds, else the model's own logits selected."""
+    if plain_head(model):
+        return model.get_output_embeddings()(row_hidden(model, input_ids, attn, where, 0)[:, :-1][where]).float()
+    return _full_logits(model, input_ids, attn, where, 0)[:, :-1][where].float()
+
+
 def _full_logits(model, input_ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor, run: int) -> torch.Tensor:
     if run > 1:
         return shared_prefix_hidden(model, input_ids, mask, run, logits=True)

@@ -33,7 +33,7 @@ import torch
 from threepo.algorithms.exploration import noise_seed
 from threepo.algorithms.noise_mask import NoiseConfig
 from threepo.algorithms.noise_scale import next_noise_scale, policy_kl
-from threepo.services.prefix_forward import plain_head
+from threepo.services.prefix_forward import position_logits
 
 _POSITIONS = 64  # predicted tokens of each probe row
 _ROWS = 4  # probe rows per forward (a chunk's logits: rows × 64 × V floats)
@@ -132,13 +132,8 @@ class NoiseControl:
         return [slice(r, r + _ROWS) for r in range(0, len(self.probe[0]), _ROWS)]
 
     def _chunk_logits(self, model, rows: slice) -> torch.Tensor:
-        """The logits where the probe's `rows` predict a token: the head on those positions only
-        where the model's logits are its head on its body's output (`prefix_forward.plain_head`)."""
-        ids, attn, where = (t[rows] for t in self.probe)
-        if plain_head(model):
-            hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1][where]
-            return model.get_output_embeddings()(hidden).float()
-        return model(input_ids=ids, attention_mask=attn).logits[:, :-1][where].float()
+        """The logits where the probe's `rows` predict a token (`prefix_forward.position_logits`)."""
+        return position_logits(model, *(t[rows] for t in self.probe))
 
     def state(self) -> dict:
         return {"noise_scale": self.scale, "noise_calibrated": self.calibrated}
