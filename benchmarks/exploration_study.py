@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 import tomllib
 
@@ -49,7 +50,22 @@ ARMS = {  # name -> (recipe, overrides)
     "c3po": (None, []),
     "c3po_dead": (None, []),  # + algo.dead_group_scale (--dead-scale)
 }
-TASKS = {"arith": None, "countdown_hard": "countdown_hard"}  # name -> task recipe
+TASKS = {"arith": None, "countdown_hard": "countdown_hard", "smollm2": None}  # name -> task recipe
+# The real-model task: SmolLM2-135M-Instruct on word problems (benchmarks/real_model.py's learning part:
+# chat template, answers scored by their last number, T 0.7, bf16), held-out pass@k at T 0.7.
+REAL = "smollm2"
+REAL_SIZES = ["data.format=gsm8k", "sampler.temperature=0.7", "learner.bf16=true", "sampler.dtype=bfloat16",
+              "runtime.requests_per_call=32", "eval.around_training=false", "runtime.prompts_per_step=8",
+              "algo.group_size=8", "sampler.max_new_tokens=64", "eval.num_items=32", "eval.samples_per_item=64",
+              "eval.k=64", "eval.temperature=0.7"]
+# Each arm's optimizer on the 135M model, so that a step moves a weight about as far on both: AdamW at
+# lr 2e-5 (real_model.py: +0.47 greedy pass@1 in 30 steps; its first steps move each weight ~lr);
+# IVON (m ← m − α clip((g_m + δ m) / (h + δ), ±ξ), α = lr (h0 + δ)) with σ ≈ 1e-3 at its training samples
+# (optim.ess = 1e7; the served noise is set by the noise control either way), α = 100 and ξ = 2e-7, so
+# the clip binds wherever |g_m| > 2e-8 and a step is a momentum-sign step of α ξ = 2e-5; its prior
+# precision δ scaled down with lr (1e-8), so that the pull towards zero stays ≤ the default's.
+REAL_ARMS = {"grpo": ["optim.lr=2e-5"],
+             "c3po": ["optim.ess=1e7", "optim.lr=1000", "optim.clip_radius=2e-7", "optim.weight_decay=1e-8"]}
 DIFFICULTIES = {"arith": (1, 2, 3), "countdown": (1, 2)}
 MOE_ARMS = {"grpo_moe": ("grpo_baseline", ["model.kind=moe"]), "c3po_moe": (None, ["model.kind=moe"]),
             "vp2o": ("vp2o_moe", [])}
@@ -103,7 +119,7 @@ def one_run(task: str, arm: str, seed: int, model: str, recipe: str | None, over
     cfg = _common.config(model, overrides, runs_dir, recipe)
     final, rows = run["summary"]["final_checkpoint"], [r for r in run["rows"] if "reward_mean" in r]
     tiers = {}
-    for d in DIFFICULTIES.get(cfg.task.family, ()):
+    for d in () if task == REAL else DIFFICULTIES.get(cfg.task.family, ()):  # REAL: a data file, no tiers
         if d == cfg.task.difficulty:
             tiers[d] = run["heldout"]["pass_at_1"]
             continue
@@ -125,9 +141,30 @@ def one_run(task: str, arm: str, seed: int, model: str, recipe: str | None, over
            "pass1_by_difficulty": {str(d): p for d, p in tiers.items()}, "run_wall_s": run["run_wall_s"],
            "startup_s": run["startup_s"], "steps": len(rows), "total_s": time.monotonic() - started,
            "curves": {k: [r[k] for r in rows] for k in ("reward_mean", "zero_adv_frac")}}
+    out["passk_curve"] = passk_curve(run["heldout"])
+    if task == REAL:
+        out["weight_move"] = weight_move(model, final)
     if cfg.model.kind == "moe":
         out["expert_diversity"] = expert_diversity(final, cfg)
     return out
+
+
+def passk_curve(report: dict) -> dict[str, float]:
+    """pass@k at k = 1, 4, 16, 64 (those ≤ the samples per item) from an evaluation's per-item counts."""
+    from threepo.services.evaluation import EvalReport
+
+    report = EvalReport(**{**report, "correct": tuple(report["correct"])})
+    return {str(k): report.pass_at(k) for k in (1, 4, 16, 64) if k <= report.samples_per_item}
+
+
+def start_point(args, cache: dict) -> dict:
+    """The real-model task's starting checkpoint, evaluated as the runs' final ones are."""
+    from threepo.deploy.commands import evaluate_policy
+
+    model = model_for(REAL, args, cache)
+    report = evaluate_policy(_common.config(model, [*args.sizes, *real_overrides(args), *args.overrides]), model,
+                             label=f"{REAL} start").__dict__
+    return {"pass1": report["pass_at_1"], "eval_malformed": report["malformed_rate"], "passk_curve": passk_curve(report)}
 
 
 def plan(args) -> list[tuple]:
@@ -138,9 +175,16 @@ def plan(args) -> list[tuple]:
         for arm in args.arms:
             recipe, extra = ARMS[arm]
             extra = [*extra, f"algo.dead_group_scale={args.dead_scale}"] if arm == "c3po_dead" else extra
+            if task == REAL:  # its settings after the study's (its own steps and sizes), the user's last
+                extra = [*extra, *REAL_ARMS.get(arm, []), *common, f"runtime.steps={args.real_steps}",
+                         *real_overrides(args), *args.overrides]
             for seed in args.seed_list:
-                runs.append((task, arm, seed, TASKS[task], recipe,
-                             [*recipe_overrides(TASKS[task]), *extra, *common, f"seed={seed}", f"algo.seed={seed}"]))
+                runs.append((task, arm, seed, REAL if task == REAL else TASKS[task], recipe,
+                             [*recipe_overrides(TASKS[task]), *extra, *([] if task == REAL else common),
+                              f"seed={seed}", f"algo.seed={seed}"]))
+    if REAL in args.tasks:  # seed by seed, so that a study stopped early has every arm at the seeds it ran
+        real = sorted((r for r in runs if r[0] == REAL), key=lambda r: r[2])
+        runs = [r for r in runs if r[0] != REAL] + real
     for arm in args.moe_arms:
         recipe, extra = MOE_ARMS[arm]
         for seed in args.seed_list[:args.moe_seeds]:
@@ -148,11 +192,37 @@ def plan(args) -> list[tuple]:
     return runs
 
 
+def real_overrides(args) -> list[str]:
+    """The word-problem file (written once, 10% held out) and the real-model task's settings."""
+    from real_model import LAST_NUMBER
+
+    from threepo.services.word_problems import write_gsm8k
+
+    os.makedirs(_common.RESULTS_DIR, exist_ok=True)
+    data = write_gsm8k(os.path.join(_common.RESULTS_DIR, f"word_problems_d1_{args.problems}.jsonl"), args.problems,
+                       difficulty=1)
+    return [f"data.path={data}", *REAL_SIZES, *LAST_NUMBER, *args.real_sizes]
+
+
+def weight_move(start: str, final: str) -> float:
+    """‖θ_final − θ_start‖ / ‖θ_start‖ over every tensor of two checkpoints: how far training went."""
+    from safetensors.torch import load_file
+
+    a, b = (load_file(os.path.join(d, "model.safetensors")) for d in (start, final))
+    moved = sum(float((b[k].float() - a[k].float()).square().sum()) for k in a if k in b)
+    return (moved / sum(float(t.float().square().sum()) for t in a.values())) ** 0.5 if a else float("nan")
+
+
 def model_for(model_recipe: str | None, args, cache: dict) -> str:
     """The bootstrapped checkpoint of a task (cached by threepo), or a random tiny one for --model tiny
     (and for the MoE part of --quick, which would otherwise bootstrap the MoE first)."""
     if model_recipe not in cache:
-        if args.model == "tiny" or (args.quick and model_recipe == "vp2o_moe"):
+        if model_recipe == REAL and args.model != "tiny":
+            from threepo.services.modeling import smollm2_checkpoint
+
+            cache[model_recipe] = smollm2_checkpoint(
+                os.environ.get("THREEPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "threepo"))
+        elif args.model == "tiny" or (args.quick and model_recipe == "vp2o_moe"):
             cache[model_recipe] = save_tiny_moe() if model_recipe == "vp2o_moe" else _common.save_tiny(_tmp())
         else:
             from threepo.deploy.commands import policy_path
@@ -184,7 +254,7 @@ def save_tiny_moe() -> str:
 def aggregate(results: list[dict]) -> dict:
     """(task, arm) -> mean and std over seeds of every scalar figure."""
     keys = ("pass1", "passk", "zero_adv_frac", "rescue_rate", "malformed_rate", "eval_malformed", "reward_mean",
-            "expert_diversity")
+            "expert_diversity", "weight_move")
     out = {}
     for r in results:
         out.setdefault((r["task"], r["arm"]), []).append(r)
@@ -197,6 +267,9 @@ def aggregate(results: list[dict]) -> dict:
                 row[key] = (statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
         tiers = sorted({d for r in runs for d in r["pass1_by_difficulty"]})
         row["tiers"] = {d: statistics.mean(r["pass1_by_difficulty"][d] for r in runs) for d in tiers}
+        ks = [k for k in runs[0].get("passk_curve", {}) if all(k in r.get("passk_curve", {}) for r in runs)]
+        row["curve"] = {k: (statistics.mean(r["passk_curve"][k] for r in runs),
+                            statistics.stdev(r["passk_curve"][k] for r in runs) if len(runs) > 1 else 0.0) for k in ks}
         table[(task, arm)] = row
     return table
 
@@ -229,7 +302,43 @@ def targets(table: dict) -> list[str]:
     return lines
 
 
-def plot(results: list[dict], table: dict, path: str) -> None:
+def real_markdown(table: dict, start: dict | None) -> str:
+    """The real-model task's table: held-out pass@k (k = 1 … 64) per arm, mean ± std over seeds."""
+    rows = {arm: row for (task, arm), row in table.items() if task == REAL}
+    ks = list(next(iter(rows.values()))["curve"])
+    fmt = lambda row, key: f"{row[key][0]:.3f} ± {row[key][1]:.3f}" if key in row else "—"  # noqa: E731
+    lines = [f"| {REAL} | seeds | " + " | ".join(f"pass@{k}" for k in ks) +
+             " | malformed (held-out) | malformed (train) | zero-adv groups | weight move ‖Δθ‖/‖θ‖ |",
+             "|---" * (len(ks) + 6) + "|"]
+    if start:
+        lines.append("| start checkpoint | - | " + " | ".join(f"{start['passk_curve'][k]:.3f}" for k in ks) +
+                     f" | {start['eval_malformed']:.3f} | - | - | - |")
+    for arm, row in rows.items():
+        curve = " | ".join(f"{row['curve'][k][0]:.3f} ± {row['curve'][k][1]:.3f}" for k in ks)
+        move = f"{row['weight_move'][0]:.2e}" if "weight_move" in row else "—"
+        lines.append(f"| {arm} | {row['n']} | {curve} | {fmt(row, 'eval_malformed')} | {fmt(row, 'malformed_rate')} "
+                     f"| {fmt(row, 'zero_adv_frac')} | {move} |")
+    return "\n".join(lines)
+
+
+def real_targets(table: dict) -> list[str]:
+    """Issue 25's study targets on the real model, each with what the data show."""
+    if (REAL, "grpo") not in table or (REAL, "c3po") not in table:
+        return []
+    grpo, c3po = table[(REAL, "grpo")], table[(REAL, "c3po")]
+    gap = c3po["pass1"][0] - grpo["pass1"][0]
+    bad, zero = c3po["malformed_rate"][0], c3po["zero_adv_frac"][0]
+    last = list(c3po["curve"])[-1]
+    return [f"{REAL}: c3po - grpo held-out pass@1 {gap:+.3f} (target >= 0): {'met' if gap >= 0 else 'not met'}",
+            f"{REAL}: c3po training malformed {bad:.3f} vs grpo {grpo['malformed_rate'][0]:.3f} x 1.1 = "
+            f"{grpo['malformed_rate'][0] * 1.1:.3f}: {'met' if bad <= grpo['malformed_rate'][0] * 1.1 else 'not met'}",
+            f"{REAL}: zero-advantage groups c3po {zero:.3f} vs grpo {grpo['zero_adv_frac'][0]:.3f}: "
+            f"{'fewer (met)' if zero < grpo['zero_adv_frac'][0] else 'not fewer (not met)'}",
+            f"{REAL}: pass@{last} c3po {c3po['curve'][last][0]:.3f} vs grpo {grpo['curve'][last][0]:.3f} "
+            f"({c3po['curve'][last][0] - grpo['curve'][last][0]:+.3f})"]
+
+
+def plot(results: list[dict], table: dict, path: str, start: dict | None = None) -> None:
     """Per task: training reward and zero-advantage fraction (mean over seeds, band ±1 std, smoothed
     as deploy/report.py smooths), and held-out pass@1 and rescue rate per arm (±1 std)."""
     import numpy as np
@@ -258,7 +367,23 @@ def plot(results: list[dict], table: dict, path: str) -> None:
         row[0].legend(fontsize="x-small")
         last = ("expert_diversity", "expert-output diversity 1 − L_orth") if task == "moe" else \
             ("rescue_rate", "dead groups rescued")
-        for ax, (key, title) in ((row[2], ("pass1", "held-out pass@1")), (row[3], last)):
+        panels = ((row[2], ("pass1", "held-out pass@1")), (row[3], last))
+        if task == REAL:  # pass@k against k instead of the rescue rate
+            panels = panels[:1]
+            ax = row[3]
+            for arm in arms:
+                curve = table[(task, arm)]["curve"]
+                ks = [int(k) for k in curve]
+                ax.errorbar(ks, [curve[k][0] for k in curve], yerr=[curve[k][1] for k in curve], capsize=3,
+                            marker="o", label=arm)
+            if start:
+                ax.plot([int(k) for k in start["passk_curve"]], list(start["passk_curve"].values()), "k--",
+                        marker=".", label="start")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("k")
+            ax.legend(fontsize="x-small")
+            ax.set_title(f"{task}: held-out pass@k (±1 std over seeds)", fontsize="small")
+        for ax, (key, title) in panels:
             present = [a for a in arms if key in table[(task, a)]]
             ax.bar(range(len(present)), [table[(task, a)][key][0] for a in present],
                    yerr=[table[(task, a)][key][1] for a in present], capsize=4)
@@ -278,20 +403,32 @@ def main() -> None:
     p.add_argument("--readmit", type=float, default=0.25, help="algo.readmit_fraction of every arm")
     p.add_argument("--dead-scale", type=float, default=2.0, help="algo.dead_group_scale of c3po_dead")
     p.add_argument("--resume", action="store_true", help="skip the runs already in the results file")
+    p.add_argument("--real-steps", type=int, default=10, help=f"steps of the {REAL} task's runs")
+    p.add_argument("--problems", type=int, default=2000, help=f"word problems written for {REAL} (10%% held out)")
     args = p.parse_args()
-    args.sizes = []
+    args.sizes, args.real_sizes = [], []
     if args.quick:  # 3 arms x 2 seeds on countdown_hard and 2 MoE runs, small steps and evaluations
-        args.seeds, args.steps, args.tasks, args.moe_seeds = 2, 6, ["countdown_hard"], 1
-        args.arms, args.moe_arms = ["grpo", "c3po", "c3po_dead"], ["grpo_moe", "vp2o"]
+        given = lambda flag: flag in sys.argv  # noqa: E731  (what the command line names stays)
+        args.seeds = args.seeds if given("--seeds") else 2
+        args.steps, args.moe_seeds = 6, 1
+        args.tasks = args.tasks if given("--tasks") else ["countdown_hard"]
+        args.arms = args.arms if given("--arms") else ["grpo", "c3po", "c3po_dead"]
+        args.moe_arms = args.moe_arms if given("--moe-arms") else ["grpo_moe", "vp2o"]
         args.sizes = ["runtime.prompts_per_step=4", "algo.group_size=8", "eval.num_items=32",
                       "eval.samples_per_item=4", "eval.k=4"]
+        args.real_steps, args.problems = 2, 200
+        args.real_sizes = ["runtime.prompts_per_step=2", "algo.group_size=4", "sampler.max_new_tokens=16",
+                           "eval.num_items=4", "eval.samples_per_item=4", "eval.k=4"]
     args.seed_list = list(range(args.seeds))
     path = _common.results_path("exploration_study", args.quick)
-    results = []
+    results, start = [], None
     if args.resume and os.path.exists(path):
         with open(path) as f:
-            results = json.load(f)["runs"]
+            saved = json.load(f)
+        results, start = saved["runs"], saved.get("start")
     done, cache, failed, started = {(r["task"], r["arm"], r["seed"]) for r in results}, {}, {}, time.monotonic()
+    if REAL in args.tasks and start is None:
+        start = start_point(args, cache)
     todo, new = [r for r in plan(args) if r[:3] not in done], []
     for i, (task, arm, seed, model_recipe, recipe, overrides) in enumerate(todo):
         print(f"\n=== run {i + 1}/{len(todo)}: {task} / {arm} / seed {seed} ({time.monotonic() - started:.0f} s)", flush=True)
@@ -301,17 +438,22 @@ def main() -> None:
         except Exception as err:  # one broken run must not lose the others' figures
             failed[f"{task}/{arm}/s{seed}"] = f"{type(err).__name__}: {str(err).strip().splitlines()[-1]}"
             print(f"[{task}/{arm}/s{seed}] FAILED: {failed[f'{task}/{arm}/s{seed}']}", flush=True)
-        _common.write_results("exploration_study", {"runs": results, "failed": failed, "args": vars(args)})
+        _common.write_results("exploration_study", {"runs": results, "start": start, "failed": failed,
+                                                    "args": vars(args)})
     wall = time.monotonic() - started
     if not results:
         raise SystemExit(f"every run failed: {failed}")
     table = aggregate(results)
-    text = markdown(table)
+    embedded = {key: row for key, row in table.items() if key[0] != REAL}
+    text = markdown(embedded) if embedded else ""
     lines = targets(table)
+    if any(key[0] == REAL for key in table):
+        text = (text + "\n\n" if text else "") + real_markdown(table, start)
+        lines += real_targets(table)
     print("\n" + text + "\n\n" + "\n".join(lines))
     with open(_common.results_path("exploration_study", args.quick, "md"), "w") as f:
         f.write(text + "\n\n" + "\n".join(f"- {line}" for line in lines) + "\n")
-    plot(results, table, _common.results_path("exploration_study", args.quick, "png"))
+    plot(results, table, _common.results_path("exploration_study", args.quick, "png"), start)
     print(f"\n{len(todo)} runs in {wall / 60:.1f} min; figures in {_common.results_path('exploration_study', args.quick, '*')}")
     for r in new:
         loop = r["run_wall_s"] / r["steps"]

@@ -77,6 +77,13 @@ class EvalReport:
     status_counts: Mapping[str, int] = field(default_factory=dict)
     truncated_rate: float = 0.0  # share of completions cut at the length limit
     temperature: float = 1.0
+    correct: tuple[int, ...] = ()  # per item, how many of its samples passed: pass@k for any k <= n
+
+    def pass_at(self, k: int) -> float:
+        """pass@k over the items for any k <= samples_per_item (the unbiased estimator)."""
+        if not 1 <= k <= self.samples_per_item:
+            raise ValueError(f"k={k}: expected 1 <= k <= samples_per_item={self.samples_per_item}")
+        return float(pass_at_k([self.samples_per_item] * len(self.correct), list(self.correct), k).mean())
 
     def summary(self) -> str:
         how = "greedy" if self.temperature == 0 else f"T {self.temperature:g}"
@@ -128,7 +135,7 @@ def evaluate(generate: GenerateFn, items: Sequence[TaskItem], verify: VerifyFn,
         pass_at_1=float(pass_at_k(n, correct, 1).mean()),
         pass_at_k=float(pass_at_k(n, correct, k).mean()),
         malformed_rate=statuses.get(VerifyStatus.MALFORMED.value, 0) / total,
-        status_counts=dict(statuses), truncated_rate=cut / total, temperature=temperature,
+        status_counts=dict(statuses), truncated_rate=cut / total, temperature=temperature, correct=tuple(correct),
     )
 
 

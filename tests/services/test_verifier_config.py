@@ -135,3 +135,37 @@ def test_evaluation_verifies_through_the_pool_concurrently_and_closes_its_verifi
     pool.close()
     assert report.pass_at_1 == 1.0  # the infra_error of r0 was retried, as in training
     assert Flaky.peak == 4 and Flaky.closed == 1
+
+
+def test_evaluation_keeps_each_items_count_so_pass_at_any_k_is_the_unbiased_estimate():
+    from threepo.algorithms.pass_at_k import pass_at_k
+    from threepo.services.engines.base import GeneratedSample
+    from threepo.services.evaluation import evaluate
+
+    class Prompts:
+        stop_ids = (1,)
+
+        def encode(self, prompt, verifier):
+            return (5,)
+
+    passing = {"r0": 3, "r1": 0, "r2": 1}  # item -> how many of its 4 samples pass
+
+    def verify(requests):
+        seen: dict[str, int] = {}
+        out = []
+        for r in requests:
+            seen[r.item.uid] = seen.get(r.item.uid, 0) + 1
+            ok = seen[r.item.uid] <= passing[r.item.uid]
+            out.append(VerifyResult(VerifyStatus.OK if ok else VerifyStatus.WRONG, float(ok), "", 0.0))
+        return out
+
+    items = [r.item for r in rows(3)]
+    generate = lambda requests, params: [[GeneratedSample((7,), (0.0,), "stop", "x")] * r.n  # noqa: E731
+                                         for r in requests]
+    report = evaluate(generate, items, verify, Prompts(), samples_per_item=4, k=2, temperature=1.0, max_new_tokens=4)
+    assert report.correct == (3, 0, 1)
+    assert report.pass_at(2) == pytest.approx(report.pass_at_k)
+    assert report.pass_at(4) == pytest.approx(2 / 3)
+    assert report.pass_at(3) == pytest.approx(float(pass_at_k([4] * 3, [3, 0, 1], 3).mean()))
+    with pytest.raises(ValueError, match="samples_per_item=4"):
+        report.pass_at(5)
