@@ -18,7 +18,13 @@ zero-advantage group fraction and malformed rate of training, and the rescue rat
 ± std over seeds. MoE part: VP2O (`--config vp2o_moe`) against GRPO and plain C3PO on the same
 embedded MoE: held-out pass@1 and expert-output diversity 1 − L_orth (mean squared cosine between
 the outputs of each token's selected experts, algorithms.moe.expert_orthogonality_loss, on held-out
-prompts). Targets (issue 13, task where GRPO stalls): C3PO ≥ GRPO + 0.02 held-out pass@1 and ≥ 30%
+prompts). Real-model task (`--tasks smollm2`, issue 25): SmolLM2-135M-Instruct (its wheel's GGUF,
+converted) on GSM8K-shaped word problems threepo writes, as benchmarks/real_model.py trains it (chat
+template, answers scored by their last number, T 0.7, bf16), `--real-steps` steps x 8 prompts x 8
+rollouts x 64 tokens, each arm's optimizer sized so a step moves a weight about as far (`REAL_ARMS`);
+runs seed by seed; per run held-out pass@k for k = 1, 4, 16, 64 (32 items x 64 samples at T 0.7),
+the malformed rates, zero-advantage groups and ‖θ_final − θ_start‖ / ‖θ_start‖; the start checkpoint
+evaluated the same way. Targets (issue 13, task where GRPO stalls): C3PO ≥ GRPO + 0.02 held-out pass@1 and ≥ 30%
 fewer zero-advantage groups; c3po_dead rescues ≥ 10% of dead groups where GRPO rescues < 5%.
 
 Writes benchmarks/results/exploration_study.{json,md,png} (exploration_study_quick.* with
@@ -28,6 +34,7 @@ checkpoints under results/exploration_study/.
 
     python3 benchmarks/exploration_study.py --quick    # smoke: a few minutes on 2 cores
     python3 benchmarks/exploration_study.py            # full: 5 seeds x 2 tasks x 7 arms + MoE (hours)
+    python3 benchmarks/exploration_study.py --tasks smollm2 --arms grpo c3po --moe-arms --seeds 3   # ~2 h
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ class Bench:
         control = NoiseControl(NoiseConfig(target_kl=level), n_slots=1, base_seed=1, temperature=self.temperature)
         control.observe(*self.probe)
         with torch.no_grad():
-            logits = torch.cat(control._logits(self.model))
+            logits = torch.cat(control.logits(self.model))
         base = torch.log_softmax(logits / self.temperature, -1)
 
         def kl(t: float) -> float:

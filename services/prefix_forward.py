@@ -99,11 +99,7 @@ def row_token_stats(model, input_ids: torch.Tensor, attn: torch.Tensor, mask: to
     at most `chunk_tokens` positions at a time (0: all at once), each chunk recomputed in the
     backward pass where gradients flow."""
     where = mask[:, :targets.shape[1]].bool().nonzero(as_tuple=True)
-    if plain_head(model):
-        hidden = row_hidden(model, input_ids, attn, mask, run)[:, :-1][where]
-        head = model.get_output_embeddings()
-    else:  # a head with more to it than a matmul: the model's own logits, at the completion positions
-        hidden, head = _full_logits(model, input_ids, attn, mask, run)[:, :-1][where], torch.nn.Identity()
+    hidden, head = _at_positions(model, input_ids, attn, mask, run, where)
     picked = targets[where]
     size = chunk_tokens or max(1, len(picked))
     parts = []
@@ -135,9 +131,17 @@ def row_logprobs(model, input_ids: torch.Tensor, attn: torch.Tensor, mask: torch
 def position_logits(model, input_ids: torch.Tensor, attn: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     """Logits [P, V] (fp32) at the positions `where` [R, L-1] marks, of a plain forward of the rows: the
     head on those positions only where `plain_head` holds, else the model's own logits selected."""
+    hidden, head = _at_positions(model, input_ids, attn, where, 0, where)
+    return head(hidden).float()
+
+
+def _at_positions(model, input_ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor, run: int, where):
+    """(x, head) with head(x) the logits [P, V] at the positions `where` selects of [R, L-1]: the final
+    hidden states there and the output head where `plain_head` holds (the head then runs on those
+    positions only, in chunks if the caller likes), else the model's own logits there and the identity."""
     if plain_head(model):
-        return model.get_output_embeddings()(row_hidden(model, input_ids, attn, where, 0)[:, :-1][where]).float()
-    return _full_logits(model, input_ids, attn, where, 0)[:, :-1][where].float()
+        return row_hidden(model, input_ids, attn, mask, run)[:, :-1][where], model.get_output_embeddings()
+    return _full_logits(model, input_ids, attn, mask, run)[:, :-1][where], torch.nn.Identity()
 
 
 def _full_logits(model, input_ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor, run: int) -> torch.Tensor:

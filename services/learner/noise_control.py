@@ -72,7 +72,7 @@ class NoiseControl:
             return self._plan(model, optimizer, step)
 
     def _plan(self, model, optimizer, step: int) -> list[tuple[int, float]]:
-        mean = self._logits(model)  # between updates the model holds m
+        mean = self.logits(model)  # between updates the model holds m
         if not self.calibrated:
             self._calibrate(model, optimizer, step, mean)
         firsts, slots, redraws, served = [], [], 0, []
@@ -124,7 +124,7 @@ class NoiseControl:
         return total / max(count, 1)
 
     @torch.no_grad()
-    def _logits(self, model) -> list[torch.Tensor]:
+    def logits(self, model) -> list[torch.Tensor]:
         """Logits [P_i, V] at the probe's positions, per chunk of rows (`_chunks`)."""
         return [self._chunk_logits(model, rows) for rows in self._chunks()]
 

@@ -527,7 +527,7 @@ def test_the_gate_redraws_a_slot_whose_kl_exceeds_it_and_serves_the_closest_draw
                       noise_prompts=_prompts(sampler))
     control = learner.noise
     control.calibrated, control.scale = True, 1.8  # slots around the target on this model (no calibration)
-    mean = control._logits(learner.model)  # per chunk of probe rows
+    mean = control.logits(learner.model)  # per chunk of probe rows
     draws = [[control._kl(learner.model, learner.optimizer, noise_seed(0, 0, i, d), mean) for d in range(4)]
              for i in range(4)]
     slots = control.plan(learner.model, learner.optimizer, step=0)
