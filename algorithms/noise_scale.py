@@ -21,8 +21,6 @@ fixed α.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 

@@ -117,7 +117,7 @@ class FakeLearner:
         import numpy as np
         import torch
 
-        from threepo.algorithms.param_noise import weights_checksum
+        from threepo.algorithms.weight_checks import weights_checksum
 
         self.driver_pid, self.publish_every, self.steps = driver_pid, publish_every, 0
         self.mean = {"w": np.zeros(8, dtype=np.float32)}

@@ -25,7 +25,7 @@ def engine_figures(backend: str, model: str, prompts: list[str], max_new_tokens:
     import numpy as np
     import torch
 
-    from threepo.algorithms.param_noise import weights_checksum
+    from threepo.algorithms.weight_checks import weights_checksum
     from threepo.deploy.actors import make_engine
     from threepo.services.engines.base import EngineRequest, SamplerConfig
     from threepo.services.messages import NoiseSpec, SamplingParams

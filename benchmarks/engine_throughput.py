@@ -144,7 +144,7 @@ def main() -> None:
               f"{aggregate / one['tokens_per_s']:.2f}x one engine at batch {args.pair_batch}")
     import numpy as np
 
-    from threepo.algorithms.param_noise import weights_checksum
+    from threepo.algorithms.weight_checks import weights_checksum
 
     engine = make_engine(model, threads=1, batch=args.pair_batch)
     mean = {n: p.detach().numpy().copy() for n, p in engine._params.items()}

@@ -83,14 +83,14 @@ def _engine_at_version(path: str, device: str):
     """The hf engine in bf16 on `device`, holding version 1: its own weights as m, σ = 1% of |m| + 1e-4."""
     import torch
 
-    from threepo.algorithms import param_noise
+    from threepo.algorithms import weight_checks
     from threepo.services.engines.base import SamplerConfig
     from threepo.services.engines.hf import HFEngine
 
     engine = HFEngine(path, SamplerConfig(device=device, dtype="bfloat16", batch_size=64, seed=0))
     mean = {n: p.detach().float().cpu().numpy() for n, p in engine._params.items()}
     sigma = {n: (abs(a) * 0.01 + 1e-4).astype("float32") for n, a in mean.items()}
-    engine.load_version(1, mean, sigma, param_noise.weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items()))
+    engine.load_version(1, mean, sigma, weight_checks.weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items()))
     return engine
 
 

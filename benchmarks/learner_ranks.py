@@ -27,7 +27,7 @@ def step_inputs(model: str, cfg, seed: int = 0):
     import numpy as np
 
     from threepo.algorithms.exploration import make_plan
-    from threepo.algorithms.param_noise import weights_checksum
+    from threepo.algorithms.weight_checks import weights_checksum
     from threepo.services.batching import completion_batch, score_batch
     from threepo.services.engines.base import GeneratedSample
     from threepo.services.messages import GroupRows, RolloutRequest, VerifyResult, VerifyStatus

@@ -75,7 +75,7 @@ class Bench:
     def __init__(self, setup: dict, args) -> None:
         import torch
 
-        from threepo.algorithms.param_noise import weights_checksum
+        from threepo.algorithms.weight_checks import weights_checksum
         from threepo.services.datasets import eval_items
         from threepo.services.engines.hf import HFEngine
         from threepo.services.modeling import load_model, trainable_named_parameters

@@ -61,7 +61,7 @@ def standalone(model: str, cfg, steps: int) -> dict:
     import torch
 
     from threepo.algorithms.exploration import make_plan
-    from threepo.algorithms.param_noise import weights_checksum
+    from threepo.algorithms.weight_checks import weights_checksum
     from threepo.deploy.actors import ACTOR_ENV, SamplerActor
     from threepo.deploy.cluster import init_ray
 

@@ -62,7 +62,7 @@ def engine_part(model: str, data: str, args) -> dict:
     import numpy as np
     import torch
 
-    from threepo.algorithms.param_noise import weights_checksum
+    from threepo.algorithms.weight_checks import weights_checksum
     from threepo.services.datasets import DataConfig, file_items
     from threepo.services.engines.base import EngineRequest, SamplerConfig
     from threepo.services.engines.hf import HFEngine

@@ -22,7 +22,7 @@ def server_bytes(model: str, cfg, n_slots: int) -> int:
     """bytes_of the first version of a PosteriorServer planning C3PO with `n_slots` slots."""
     import torch
 
-    from threepo.algorithms.param_noise import weights_checksum
+    from threepo.algorithms.weight_checks import weights_checksum
     from threepo.services.messages import PublishedVersion
     from threepo.services.posterior import PosteriorConfig, PosteriorServer
 

@@ -160,7 +160,7 @@ class Completion:
     `logprobs` are the behaviour log-probs of the sampling distribution (after temperature, top-k,
     top-p), one per generated token, of the policy the engine served: θ̂ = m + c · σ ⊙ z(slot_seed),
     c = `slot_scale`. `mean_checksum` is the exact checksum of the posterior mean the
-    engine built the slot's weights from (`algorithms.param_noise.weights_checksum`; the driver
+    engine built the slot's weights from (`algorithms.weight_checks.weights_checksum`; the driver
     compares it with the version's published one); `weights_verified` says the engine's own checks
     held around the call (its backend held exactly the θ̂ it fed, unchanged while sampling).
     """
@@ -288,7 +288,7 @@ class ConsumedStep:
 @dataclass(frozen=True)
 class PublishedVersion:
     """A posterior version as the learner publishes it: fp32 mean and σ by parameter name, and the
-    exact checksum of the mean (`param_noise.weights_checksum`) every engine checks on receipt. The
+    exact checksum of the mean (`weight_checks.weights_checksum`) every engine checks on receipt. The
     posterior server numbers versions (it owns them). `slots`: (seed, σ scale) of each slot the
     version serves, as the learner's noise control chose them (services/learner/noise_control.py);
     None: the server draws the seeds of its plan itself, at scale 1. `noise_rank`: the rank of each

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from threepo.algorithms import param_noise
+from threepo.algorithms import weight_checks
 from threepo.services.engines import lean_decoder
 from threepo.services.engines.base import (EngineRequest, GeneratedSample, SamplerConfig, ServeReport,
                                            WeightsMismatch)
@@ -56,8 +56,8 @@ class HFEngine:
         self._mean = {n: p.detach() for n, p in self._params.items()}
         self._sigma: dict[str, torch.Tensor] | None = None
         self.noise_rank = 0  # the held version's (load_version)
-        self.version, self.mean_checksum = 0, param_noise.weights_checksum(self._mean.items())
-        self._mean_fingerprint = param_noise.value_fingerprint(self.model.parameters())
+        self.version, self.mean_checksum = 0, weight_checks.weights_checksum(self._mean.items())
+        self._mean_fingerprint = weight_checks.value_fingerprint(self.model.parameters())
         self._serving = NoiseSpec(posterior_version=0, seed=None)
         self.report = self.serve(self._serving)
 
@@ -67,7 +67,7 @@ class HFEngine:
         if missing:
             raise WeightsMismatch(f"posterior version {version}: mean lacks parameters {missing[:5]}")
         received = {n: _tensor(mean[n], self.device) for n in self._params}
-        checksum = param_noise.weights_checksum(received.items())
+        checksum = weight_checks.weights_checksum(received.items())
         if checksum != mean_checksum:
             raise WeightsMismatch(f"engine {self.engine_id}: the mean of version {version} has checksum "
                                   f"{checksum}, the learner published {mean_checksum}")
@@ -78,7 +78,7 @@ class HFEngine:
             self._mean = received
         self.version, self.mean_checksum, self.noise_rank = version, checksum, noise_rank
         self._sigma = None if sigma is None else {n: _tensor(sigma[n], self.device) for n in self._params}  # read only
-        self._mean_fingerprint = param_noise.value_fingerprint(self.model.parameters())
+        self._mean_fingerprint = weight_checks.value_fingerprint(self.model.parameters())
         if self.lean:
             self.bank.clear()
         self.serve(NoiseSpec(posterior_version=version, seed=None))
@@ -98,7 +98,7 @@ class HFEngine:
             ok, ratio = self.bank.loaded(row) and self.bank.holds(row), self.bank.ratio(row)
         else:
             ratio, fed = self._write_model(noise)
-            ok = param_noise.value_fingerprint(self.model.parameters()) == fed
+            ok = weight_checks.value_fingerprint(self.model.parameters()) == fed
             self._slot_fingerprint = fed
         self.report = ServeReport(self.version, noise.seed, self.mean_checksum, ok, ratio, scale=noise.scale)
         return self.report
@@ -116,7 +116,7 @@ class HFEngine:
         frozen = [p for n, p in self.model.named_parameters() if n not in self._params]
         ratio, fed = write_slot({n: p.data for n, p in self._params.items()}, self._mean, self._sigma or {},
                                 noise.seed, noise.scale, self.noise_rank)
-        return ratio, param_noise.combined_fingerprint([fed, param_noise.value_fingerprint(frozen)])
+        return ratio, weight_checks.combined_fingerprint([fed, weight_checks.value_fingerprint(frozen)])
 
     def _rows(self, slots: Sequence[NoiseSpec]) -> list[int]:
         """Bank rows of `slots`, built where not resident (lean path)."""
@@ -180,10 +180,10 @@ class HFEngine:
     def verify(self) -> bool:
         """The served weights against the fingerprint of what was written for them."""
         if self._serving.seed is None:
-            return param_noise.value_fingerprint(self.model.parameters()) == self._mean_fingerprint
+            return weight_checks.value_fingerprint(self.model.parameters()) == self._mean_fingerprint
         if self.lean:
             return self.bank.holds(self._rows([self._serving])[0])
-        return param_noise.value_fingerprint(self.model.parameters()) == self._slot_fingerprint
+        return weight_checks.value_fingerprint(self.model.parameters()) == self._slot_fingerprint
 
     def close(self) -> None:
         self.model = None

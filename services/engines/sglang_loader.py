@@ -35,7 +35,7 @@ import os
 
 import torch
 
-from threepo.algorithms import param_noise
+from threepo.algorithms import param_noise, weight_checks
 from threepo.services.engines.staging import mapped_safetensors
 
 _STATE: dict[int, dict] = {}
@@ -71,7 +71,7 @@ def _store(model: torch.nn.Module, tensors: dict) -> None:
     sigma = {n[2:]: t for n, t in staged.items() if n.startswith("s/")}
     words = tensors[_CONTROL + "checksum"].tolist()
     expected = "".join(f"{w:08x}" for w in words)
-    received = param_noise.weights_checksum(mean.items())
+    received = weight_checks.weights_checksum(mean.items())
     if received != expected:
         raise RuntimeError(f"threepo: the received mean has checksum {received}, the learner published {expected}")
     _STATE[id(model)] = {"mean": mean, "sigma": sigma or None, "version": int(tensors[_CONTROL + "version"][0]),
@@ -92,7 +92,7 @@ def _serve(model: torch.nn.Module, tensors: dict) -> None:
                                                first.dtype, fed, rank=state["rank"]))
     state["loaded"] = _fingerprint(model)
     single_rank = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
-    if single_rank and state["loaded"] != param_noise.combined_fingerprint(fed):
+    if single_rank and state["loaded"] != weight_checks.combined_fingerprint(fed):
         raise RuntimeError(f"threepo: after loading seed {seed} the model holds other values than were fed")
 
 
@@ -105,4 +105,4 @@ store, serve, verify = _reported(_store), _reported(_serve), _reported(_verify)
 
 
 def _fingerprint(model: torch.nn.Module) -> tuple[int, int]:
-    return param_noise.value_fingerprint(p for _, p in model.named_parameters())
+    return weight_checks.value_fingerprint(p for _, p in model.named_parameters())

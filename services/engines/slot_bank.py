@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from threepo.algorithms import param_noise
+from threepo.algorithms import param_noise, weight_checks
 from threepo.services.engines.lean_decoder import WeightLayout
 
 Key = tuple  # (seed, σ multiplier) of a slot
@@ -104,7 +104,7 @@ class SlotBank:
 def _fingerprint(row: torch.Tensor) -> tuple[int, int]:
     """`value_fingerprint` of a flat weight set in pieces of 2^22 values (the same value: it is a sum;
     its int32 working copies stay 16 MB instead of twice the set's size)."""
-    return param_noise.value_fingerprint(row.split(1 << 22))
+    return weight_checks.value_fingerprint(row.split(1 << 22))
 
 
 def write_slot(views: Mapping[str, torch.Tensor], mean: Mapping[str, torch.Tensor],
@@ -119,9 +119,9 @@ def write_slot(views: Mapping[str, torch.Tensor], mean: Mapping[str, torch.Tenso
             seed is not None and name in sigma) else mean[name].detach().float()
         cast = theta.to(view.dtype)
         view.copy_(cast)
-        parts.append(param_noise.value_fingerprint([cast]))  # not the tensors: no second copy of θ̂ held
+        parts.append(weight_checks.value_fingerprint([cast]))  # not the tensors: no second copy of θ̂ held
         if seed is not None and name in sigma and view.dtype != torch.float32:
             a, b = param_noise.served_noise_ratio(mean[name], theta, view.dtype)
             served, intended = served + a, intended + b
     ratio = (served / intended) ** 0.5 if intended else 1.0
-    return ratio, param_noise.combined_fingerprint(parts)
+    return ratio, weight_checks.combined_fingerprint(parts)

@@ -15,7 +15,7 @@ served weights, whatever the tensor-parallel size. Fusing q/k/v and gate/up, sha
 vocabulary padding and the CPU backend's oneDNN re-packing are vLLM's business, not ours.
 
 The weight check: the mean's exact checksum is recomputed here on receipt; after each load, a
-layout-invariant fingerprint (`param_noise.value_fingerprint`) of what the model now holds is
+layout-invariant fingerprint (`weight_checks.value_fingerprint`) of what the model now holds is
 compared with the fingerprint of the tensors fed to it (exact on one rank; with tensor parallelism
 replicated tensors are counted once per rank, so only the unchanged-since-load check applies), and
 `threepo_verify` re-reads the served weights and compares them with the fingerprint taken at load.
@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from threepo.algorithms import param_noise
+from threepo.algorithms import param_noise, weight_checks
 from threepo.services.engines.staging import mapped_safetensors
 
 
@@ -56,7 +56,7 @@ class ThreepoWorkerExtension:
             held = {n: torch.from_numpy(np.asarray(a, dtype=np.float32)) for n, a in mean.items()}
             sigma_held = None if sigma is None else {
                 n: torch.from_numpy(np.asarray(a, dtype=np.float32)) for n, a in sigma.items()}
-        received = param_noise.weights_checksum(held.items())
+        received = weight_checks.weights_checksum(held.items())
         if received != mean_checksum:
             return received
         self._threepo_mean, self._threepo_sigma, self._threepo_version = held, sigma_held, version
@@ -74,7 +74,7 @@ class ThreepoWorkerExtension:
                                           self._threepo_rank)
         self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         _repack_tied_cpu_weights(self.model_runner.get_model())
-        expected = param_noise.combined_fingerprint(fed)
+        expected = weight_checks.combined_fingerprint(fed)
         self._threepo_loaded = self._threepo_fingerprint()
         single_rank = self.parallel_config.tensor_parallel_size == 1
         matches = self._threepo_loaded[:2] == expected if single_rank else True
@@ -108,7 +108,7 @@ class ThreepoWorkerExtension:
                 seen.add(id(p))
                 tensors.append(_packed_weight(module, p.dtype, module.input_size_per_partition)
                                if packed and p.numel() == 0 else p)
-        return (*param_noise.value_fingerprint(tensors), consistent)
+        return (*weight_checks.value_fingerprint(tensors), consistent)
 
 
 def _repack_tied_cpu_weights(model: torch.nn.Module) -> None:

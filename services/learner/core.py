@@ -38,7 +38,7 @@ import torch
 from threepo.algorithms import advantages as adv_math
 from threepo.algorithms import losses
 from threepo.algorithms.exploration import gradient_points
-from threepo.algorithms.param_noise import weights_checksum
+from threepo.algorithms.weight_checks import weights_checksum
 from threepo.algorithms.sync_budget import sync_decision
 from threepo.services.learner.around import make_around
 from threepo.algorithms.noise_mask import NoiseConfig

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from threepo.algorithms import counter_normal, param_noise
+from threepo.algorithms import counter_normal, param_noise, weight_checks
 
 
 def _reference(key: int, start: int, n: int) -> np.ndarray:
@@ -112,10 +112,10 @@ def test_checks_build_every_tensor_on_their_inputs_device():
     on the CPU inputs they are given: what a GPU engine's checks on CUDA tensors need."""
     gen = torch.Generator().manual_seed(6)
     w = torch.randn(300, 500, generator=gen)  # > 65521 elements: the checksum's position columns
-    param_noise._positions.cache_clear()  # built afresh inside the meta context
+    weight_checks._positions.cache_clear()  # built afresh inside the meta context
     with torch.device("meta"):
-        found = (param_noise.weights_checksum([("w", w)]), param_noise.value_fingerprint([w]),
+        found = (weight_checks.weights_checksum([("w", w)]), weight_checks.value_fingerprint([w]),
                  param_noise.perturbed(w, torch.full_like(w, 1e-3), 3, "w"))
-    expected = (param_noise.weights_checksum([("w", w)]), param_noise.value_fingerprint([w]),
+    expected = (weight_checks.weights_checksum([("w", w)]), weight_checks.value_fingerprint([w]),
                 param_noise.perturbed(w, torch.full_like(w, 1e-3), 3, "w"))
     assert found[:2] == expected[:2] and torch.equal(found[2], expected[2])

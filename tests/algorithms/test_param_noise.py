@@ -4,7 +4,8 @@ int64 reference of the same sums."""
 import numpy as np
 import torch
 
-from threepo.algorithms.param_noise import noise_like, value_fingerprint
+from threepo.algorithms.param_noise import noise_like
+from threepo.algorithms.weight_checks import value_fingerprint
 
 
 def _reference(tensors) -> tuple[int, int]:

@@ -14,7 +14,7 @@ import torch
 
 from threepo.algorithms.ivon import IVON
 from threepo.algorithms.noise_mask import MaskedSigma, noised_names
-from threepo.algorithms.param_noise import weights_checksum
+from threepo.algorithms.weight_checks import weights_checksum
 from threepo.algorithms.sampling import sampling_logprobs
 from threepo.services.engines.base import EngineRequest, WeightsMismatch
 from threepo.services.messages import NoiseSpec, SamplingParams

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fake_sglang import FakeSGLangEngine
-from threepo.algorithms.param_noise import weights_checksum
+from threepo.algorithms.weight_checks import weights_checksum
 from threepo.deploy.config import ConfigError, load_config
 from threepo.services.engines.base import EngineRequest, SamplerConfig, WeightsMismatch
 from threepo.services.engines.sglang_engine import SGLangEngine

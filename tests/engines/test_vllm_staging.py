@@ -13,7 +13,7 @@ import msgpack
 import numpy as np
 import torch
 
-from threepo.algorithms import param_noise
+from threepo.algorithms import param_noise, weight_checks
 from threepo.services.engines.base import SamplerConfig
 from threepo.services.engines.staging import mapped_safetensors, stage_version
 from threepo.services.engines.vllm_engine import VLLMEngine
@@ -60,7 +60,7 @@ def _posterior():
     shapes = {"0.weight": (5, 6), "0.bias": (5,), "1.weight": (3, 5), "1.bias": (3,)}
     mean = {n: torch.randn(s, generator=gen).numpy() for n, s in shapes.items()}
     sigma = {n: np.full(s, 0.01, dtype=np.float32) for n, s in shapes.items()}
-    return mean, sigma, param_noise.weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
+    return mean, sigma, weight_checks.weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
 
 
 def test_a_staged_version_maps_back_bit_exactly_as_views_of_one_mapping(tmp_path):

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from threepo.algorithms.param_noise import perturbed_state, weights_checksum
+from threepo.algorithms.param_noise import perturbed_state
+from threepo.algorithms.weight_checks import weights_checksum
 from threepo.services.engines.base import EngineRequest, SamplerConfig, WeightsMismatch
 from threepo.services.messages import NoiseSpec, SamplingParams
 from threepo.services.modeling import load_model, trainable_named_parameters

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from threepo.algorithms import counter_normal, param_noise
+from threepo.algorithms import counter_normal, param_noise, weight_checks
 from threepo.services.engines.base import EngineRequest, SamplerConfig
 from threepo.services.engines.hf import HFEngine
 from threepo.services.learner.core import Learner
@@ -52,8 +52,8 @@ def test_noise_theta_and_checks_are_bit_identical_on_the_device():
     there = param_noise.perturbed(mean.to(TARGET), sigma.to(TARGET), 9, "w", 1.5)
     assert torch.equal(there.cpu().view(torch.int32), here.view(torch.int32))
     assert torch.equal(there.bfloat16().cpu().view(torch.int16), here.bfloat16().view(torch.int16))  # bf16 round trip
-    assert param_noise.weights_checksum([("w", there)]) == param_noise.weights_checksum([("w", here)])
-    assert param_noise.value_fingerprint([there.bfloat16()]) == param_noise.value_fingerprint([here.bfloat16()])
+    assert weight_checks.weights_checksum([("w", there)]) == weight_checks.weights_checksum([("w", here)])
+    assert weight_checks.value_fingerprint([there.bfloat16()]) == weight_checks.value_fingerprint([here.bfloat16()])
 
 
 def _learner(path: str, exploration: str, device: str) -> Learner:
@@ -86,14 +86,14 @@ def test_the_hf_engine_serves_slots_on_the_device_with_its_checks(tiny_dense_pat
     dev = HFEngine(tiny_dense_path, SamplerConfig(**cfg, device=TARGET))
     mean = {n: p.detach().cpu().numpy().copy() for n, p in cpu._params.items()}
     sigma = {n: (abs(a) * 0.01 + 1e-4).astype("float32") for n, a in mean.items()}
-    checksum = param_noise.weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
+    checksum = weight_checks.weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
     for engine in (cpu, dev):
         engine.load_version(1, mean, sigma, checksum)
     slots = [NoiseSpec(1, seed=11), NoiseSpec(1, seed=12, scale=2.0)]
     for noise in slots:  # the same θ̂ bits on both devices
         assert cpu.serve(noise).loaded_ok and dev.serve(noise).loaded_ok and dev.verify()
-        assert (param_noise.weights_checksum((n, t.cpu()) for n, t in dev.served().items())
-                == param_noise.weights_checksum(cpu.served().items()))
+        assert (weight_checks.weights_checksum((n, t.cpu()) for n, t in dev.served().items())
+                == weight_checks.weights_checksum(cpu.served().items()))
     groups = [(noise, [EngineRequest((5, 6, 7), 4, seed=1)]) for noise in slots]
     params = SamplingParams(max_new_tokens=6)
     for (report, unchanged, samples), (cpu_report, _, cpu_samples) in zip(dev.generate_slots(groups, params),

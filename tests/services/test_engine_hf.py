@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from threepo.algorithms import param_noise
+from threepo.algorithms import param_noise, weight_checks
 from threepo.services.engines.base import EngineRequest, SamplerConfig
 from threepo.services.engines.hf import HFEngine
 from threepo.services.messages import NoiseSpec
@@ -37,7 +37,7 @@ def engine(tiny_dense_path):
 
 def _posterior(engine, scale=0.02):
     mean = {n: p.detach().numpy().copy() for n, p in engine._params.items()}
-    checksum = param_noise.weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
+    checksum = weight_checks.weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
     return mean, {n: np.full(a.shape, scale, dtype=np.float32) for n, a in mean.items()}, checksum
 
 
@@ -56,10 +56,10 @@ def test_a_row_draws_the_same_tokens_whatever_shares_its_batch(engine):
 def test_perturbation_is_identical_in_another_process(engine, tiny_dense_path):
     engine.load_version(3, *_posterior(engine))
     engine.serve(NoiseSpec(3, seed=2026))
-    here = param_noise.weights_checksum(engine.served().items())
+    here = weight_checks.weights_checksum(engine.served().items())
     code = f"""
 import numpy as np, torch
-from threepo.algorithms.param_noise import weights_checksum
+from threepo.algorithms.weight_checks import weights_checksum
 from threepo.services.engines.base import SamplerConfig
 from threepo.services.engines.hf import HFEngine
 from threepo.services.messages import NoiseSpec
@@ -79,12 +79,12 @@ for seed in (2026, 2027):
 def test_checksum_is_order_and_thread_independent():
     gen = torch.Generator().manual_seed(0)
     named = [("a", torch.randn(1000, generator=gen)), ("b", torch.randn(7, 3, generator=gen))]
-    assert param_noise.weights_checksum(named) == param_noise.weights_checksum(named[::-1])
+    assert weight_checks.weights_checksum(named) == weight_checks.weights_checksum(named[::-1])
     flipped = [("a", named[0][1].flip(0)), named[1]]  # a permutation changes it
-    assert param_noise.weights_checksum(flipped) != param_noise.weights_checksum(named)
+    assert weight_checks.weights_checksum(flipped) != weight_checks.weights_checksum(named)
     nudged = [("a", named[0][1].clone()), named[1]]
     nudged[0][1][500] = torch.nextafter(nudged[0][1][500], torch.tensor(10.0))  # one ulp
-    assert param_noise.weights_checksum(nudged) != param_noise.weights_checksum(named)
+    assert weight_checks.weights_checksum(nudged) != weight_checks.weights_checksum(named)
 
 
 def test_the_checksum_position_term_is_the_term_by_term_sum_in_wrapping_int64():
@@ -94,7 +94,7 @@ def test_the_checksum_position_term_is_the_term_by_term_sum_in_wrapping_int64():
         t = torch.full((n,), fill) if fill else torch.randn(n, generator=torch.Generator().manual_seed(n))
         bits = t.view(torch.int32).to(torch.int64)
         direct = int((bits * (torch.arange(n, dtype=torch.int64) % 65521 + 1)).sum())
-        assert param_noise._position_weighted_sum(bits) == direct
+        assert weight_checks._position_weighted_sum(bits) == direct
 
 
 def test_a_perturbed_sample_written_in_place_is_bit_identical_to_a_new_one():
@@ -116,9 +116,9 @@ def test_slots_decoded_together_sample_as_each_slot_served_alone(tiny_dense_path
               (NoiseSpec(4, seed=12), [EngineRequest((3, 4), 4, seed=3)]),
               (NoiseSpec(4, seed=11, scale=2.0), [EngineRequest((8, 8, 8, 8), 1, seed=4)]),
               (NoiseSpec(4, seed=None), [EngineRequest((5, 6, 7), 2, seed=1)])]
-    served_before = param_noise.weights_checksum(engine.served().items())
+    served_before = weight_checks.weights_checksum(engine.served().items())
     together = engine.generate_slots(groups, params)  # passes of 5 | 4 + 1 (padded to 4) | 2 rows
-    assert param_noise.weights_checksum(engine.served().items()) == served_before  # what serve serves is untouched
+    assert weight_checks.weights_checksum(engine.served().items()) == served_before  # what serve serves is untouched
     for (noise, requests), (report, unchanged, samples) in zip(groups, together):
         alone_report = engine.serve(noise)
         alone = engine.generate(requests, params)
@@ -137,7 +137,7 @@ def test_a_bf16_engine_builds_slots_from_the_published_fp32_mean_without_a_copy_
     assert report.loaded_ok and unchanged  # before any version: the mean it loaded, as the model holds it
     mean = {n: p.detach().float().numpy() + np.float32(1e-4) for n, p in engine._params.items()}  # not bf16 values
     sigma = {n: np.full(a.shape, 0.02, dtype=np.float32) for n, a in mean.items()}
-    checksum = param_noise.weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
+    checksum = weight_checks.weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
     engine.load_version(2, mean, sigma, checksum)
     # m is the arrays handed in (views of the published object under Ray), not a private fp32 copy
     assert all(engine._mean[n].data_ptr() == mean[n].ctypes.data for n in engine._params)

@@ -10,7 +10,7 @@ import torch
 from threepo.services.engines.base import SamplerConfig, WeightsMismatch
 from threepo.services.engines.hf import HFEngine
 from threepo.services.messages import NoiseSpec, PublishedVersion
-from threepo.algorithms.param_noise import weights_checksum
+from threepo.algorithms.weight_checks import weights_checksum
 from threepo.services.posterior import PosteriorConfig, PosteriorServer
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from threepo.algorithms.param_noise import weights_checksum
+from threepo.algorithms.weight_checks import weights_checksum
 
 from threepo.services.batching import completions_of
 from threepo.services.engines.base import SamplerConfig, WeightsMismatch
