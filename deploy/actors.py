@@ -134,11 +134,7 @@ class PosteriorActor:
 
     def weights(self, version: int):
         """`version`'s weights as the learner published them (a restored run's samplers read these)."""
-        from threepo.services.messages import PublishedVersion
-
-        mean, sigma, checksum = self.server.weights(version)
-        return PublishedVersion(self.server.version_plan(version).learner_step, "", mean, sigma, checksum,
-                                noise_rank=self.server.noise_rank(version))
+        return self.server.published(version)
 
     def acquire(self, version: int, n: int = 1) -> None:
         self.server.acquire(version, n)

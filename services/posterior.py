@@ -157,6 +157,13 @@ class PosteriorServer:
         """The rank of `version`'s slot noise per matrix (0: full noise), as the learner published it."""
         return self._get(version).noise_rank
 
+    def published(self, version: int) -> PublishedVersion:
+        """`version` as the learner published it (a restored run's samplers read it); its slots are
+        in its plan (`version_plan`)."""
+        entry = self._get(version)
+        return PublishedVersion(entry.learner_step, entry.reason, entry.mean, entry.sigma, entry.mean_checksum,
+                                noise_rank=entry.noise_rank)
+
     def bytes_of(self, version: int) -> int:
         """Bytes of mean + σ: what one engine receives per version, whatever the number of slots."""
         entry = self._get(version)

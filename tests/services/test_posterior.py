@@ -171,6 +171,21 @@ def test_a_version_serves_the_slots_the_learner_chose_and_keeps_them_through_a_c
         server.publish(dataclasses.replace(_pv(2), slots=chosen[:2]))
 
 
+def test_a_version_is_read_back_as_the_learner_published_it_through_a_checkpoint(tmp_path):
+    import dataclasses
+
+    from threepo.services.posterior import load_posterior, save_posterior
+
+    server = PosteriorServer(PosteriorConfig(kind="c3po", group_size=8, n_slots=4, base_seed=3))
+    sent = dataclasses.replace(_pv(7), reason="kl", noise_rank=2)
+    server.publish(sent)
+    save_posterior(server, str(tmp_path))
+    for got in (server.published(0), load_posterior(str(tmp_path)).published(0)):
+        assert (got.learner_step, got.reason, got.mean_checksum, got.noise_rank) == (70, "kl", sent.mean_checksum, 2)
+        assert all(np.array_equal(got.mean[n], sent.mean[n].astype(np.float32)) and
+                   np.array_equal(got.sigma[n], sent.sigma[n].astype(np.float32)) for n in sent.mean)
+
+
 def test_checkpoint_files_round_trip_with_references_dropped(tmp_path):
     from threepo.services.posterior import load_posterior, save_posterior
 
