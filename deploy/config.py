@@ -27,6 +27,7 @@ from threepo.services.errors import UserInputError
 from threepo.services.evaluation import EvalConfig
 from threepo.algorithms.noise_mask import NoiseConfig
 from threepo.services.learner.config import AlgoConfig, LearnerConfig, OptimConfig, SyncConfig, VP2OConfig
+from threepo.services.lora import LoRAConfig, check_lora
 from threepo.services.modeling import ModelConfig
 from threepo.services.prompting import PromptConfig
 from threepo.services.tasks import TaskConfig, max_new_tokens_for
@@ -158,12 +159,14 @@ class RunConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     vp2o: VP2OConfig = field(default_factory=VP2OConfig)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         from threepo.services.learner.config import check_combination, check_learner
 
         check_combination(self.algo, self.optim, self.model.kind)
         check_learner(self.learner, self.algo, self.optim)
+        check_lora(self.lora, self.algo, self.optim, self.learner)
         _check_sampler(self.sampler, self.runtime)
         if self.runtime.eval_gpus > 0 and self.eval.device != "cuda":
             raise ValueError(f"runtime.eval_gpus={self.runtime.eval_gpus}: the evaluator decodes on the CPU "

@@ -76,10 +76,11 @@ class LearnerActor:
         return "learner"
 
     def save_hf(self, directory: str) -> str:
-        """The current mean (IVON keeps p.data at m outside sampled_params) as an HF checkpoint."""
+        """The current policy as an HF checkpoint with its tokenizer (`Learner.save_pretrained`; with
+        LoRA also the PEFT adapter directory `directory`/adapter)."""
         from threepo.services.modeling import load_tokenizer
 
-        self.learner.model.save_pretrained(directory)
+        self.learner.save_pretrained(directory)
         load_tokenizer(self.model_path).save_pretrained(directory)
         if self.log:
             self.log.close()

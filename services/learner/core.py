@@ -28,6 +28,7 @@ it tests no names.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,14 +39,15 @@ import torch
 from threepo.algorithms import advantages as adv_math
 from threepo.algorithms import losses
 from threepo.algorithms.exploration import gradient_points
-from threepo.algorithms.weight_checks import weights_checksum
 from threepo.algorithms.sync_budget import sync_decision
+from threepo.algorithms.weight_checks import weights_checksum
 from threepo.services.learner.around import make_around
 from threepo.algorithms.noise_mask import NoiseConfig
 from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig, VP2OConfig, has_drift_process
 from threepo.services.learner.optimizers import make_optimizer
 from threepo.services.learner.ranks import Ranks, SingleRank
 from threepo.services.batching import TrainBatch, collate
+from threepo.services.lora import LoRAConfig, attach, merged_weights, save_adapter
 from threepo.services.messages import CompletionBatch, GroupRows, PublishedVersion, ScoreBatch
 from threepo.services.modeling import load_model, trainable_named_parameters
 from threepo.services.learner.beside import BesideProcess, Pending
@@ -79,7 +81,8 @@ class Learner:
                  vp2o: VP2OConfig | None = None, ranks: Ranks | None = None, device: str = "cpu",
                  deepspeed_stage: int = -1, shared_prefix: bool = True, beside: bool = False,
                  activation_mb: int = 0, gradient_checkpointing: bool = False, bf16: bool = False,
-                 noise: NoiseConfig | None = None, noise_prompts: list[list[int]] | None = None) -> None:
+                 noise: NoiseConfig | None = None, noise_prompts: list[list[int]] | None = None,
+                 lora: LoRAConfig | None = None) -> None:
         torch.set_num_threads(threads)
         # a confident policy's softmax underflows into denormals, which made CPU steps ~1.8x slower
         torch.set_flush_denormal(True)
@@ -87,6 +90,9 @@ class Learner:
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.ranks, self.device = ranks or SingleRank(), torch.device(device)  # alone, or one of R ranks
         self.model = load_model(model_path).to(self.device).train()
+        self.lora = lora or LoRAConfig()
+        if self.lora.rank:  # the adapters are then the trainable parameters, the base frozen
+            attach(self.model, self.lora)
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         plain_head(self.model)  # probed now, before any hook watches a forward
@@ -99,7 +105,7 @@ class Learner:
         noise = noise or NoiseConfig()
         self.beside = (BesideProcess(model_path, self.named, temperature, self.chunk, bf16, noise.rank) if beside and
                        has_drift_process(optim.name, self.ranks.world, deepspeed_stage, self.device.type) else None)
-        self.optimizer = make_optimizer(self.model, self.named, optim, self.ranks, deepspeed_stage, noise)
+        self.optimizer = make_optimizer(self.model, self.named, optim, self.ranks, deepspeed_stage, noise, self.lora)
         self.noise = make_noise_control(noise, serves_noise=self.optimizer.variational and algo.exploration != "grpo",
                                         n_slots=algo.n_slots, base_seed=algo.seed, temperature=temperature,
                                         prompts=noise_prompts, device=self.device)
@@ -311,6 +317,17 @@ class Learner:
         return PublishedVersion(learner_step=self.step_count, reason=reason, mean=mean, sigma=sigma,
                                 mean_checksum=checksum, slots=None if self.slots is None else tuple(self.slots),
                                 noise_rank=self.optimizer.noise_rank)
+
+    def save_pretrained(self, directory: str) -> str:
+        """The current policy (IVON's mean: p.data holds m outside sampled points) as an HF checkpoint
+        of the model's own parameter names; with LoRA the adapters merged, and also as a PEFT adapter
+        directory in `directory`/adapter on the base model this learner started from."""
+        if not self.lora.rank:
+            self.model.save_pretrained(directory)
+            return directory
+        self.model.save_pretrained(directory, state_dict=merged_weights(self.model))
+        save_adapter(self.model, self.lora, os.path.join(directory, "adapter"), self.model_path)
+        return directory
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Tensors and metadata of everything needed to continue exactly, asked of each part: the step

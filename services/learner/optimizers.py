@@ -11,6 +11,8 @@ owns its state and answers everything the step asks of an optimizer, whichever i
   are, a version publishes the mean alone; gradients are summed over ranks and clipped.
 - `ZeroAdamW` (adamw with learner.deepspeed_stage ≥ 0): AdamW placed by DeepSpeed at a ZeRO stage
   (services/learner/zero.py): DeepSpeed reduces, clips and steps its partition.
+- `LoRAAdamW` (adamw with lora.rank > 0): AdamW on the adapters alone (services/lora.py), the base
+  frozen; a version publishes the model with the adapters merged, under its own parameter names.
 
 The interface (what services/learner/core.py calls): `variational`, `at(seed, train, scale, served)`,
 `backward(loss)`, `step()`, `expert_grads()` (what VP2O transforms), `whole()`, `published()`,
@@ -28,23 +30,28 @@ from threepo.algorithms.ivon import IVON
 from threepo.algorithms.noise_mask import MaskedSigma, NoiseConfig, noised_names
 from threepo.services.learner.config import OptimConfig
 from threepo.services.learner.zero import DeepSpeedAdamW
+from threepo.services.lora import LoRAConfig, merged_weights
 
 _IVON_KINDS = ("mean", "hess", "momentum")
 
 
 def make_optimizer(model: torch.nn.Module, named: list, optim: OptimConfig, ranks, deepspeed_stage: int,
-                   noise: NoiseConfig = NoiseConfig()):
+                   noise: NoiseConfig = NoiseConfig(), lora: LoRAConfig = LoRAConfig()):
     """The optimizer object of `optim.name`, placed on `ranks` (DeepSpeed at `deepspeed_stage` ≥ 0);
-    a posterior serves noise on the weights `noise` selects."""
-    match optim.name, deepspeed_stage >= 0:
-        case "ivon", False:
+    a posterior serves noise on the weights `noise` selects; `lora.rank` > 0: `named` are the adapters
+    of `model` (services/lora.py)."""
+    match optim.name, deepspeed_stage >= 0, lora.rank > 0:
+        case "ivon", False, False:
             return IVONPosterior(named, optim, ranks, noise)
-        case "adamw", False:
+        case "adamw", False, False:
             return AdamW(named, optim, ranks)
-        case "adamw", True:
+        case "adamw", True, False:
             return ZeroAdamW(model, named, optim, ranks, deepspeed_stage)
-    raise ValueError(f"optim.name={optim.name} with learner.deepspeed_stage={deepspeed_stage}: "
-                     "only adamw trains through DeepSpeed")
+        case "adamw", False, True:
+            return LoRAAdamW(model, named, optim, ranks, lora)
+    raise ValueError(f"optim.name={optim.name} with learner.deepspeed_stage={deepspeed_stage} and lora.rank="
+                     f"{lora.rank}: only adamw trains through DeepSpeed, and LoRA adapters train with adamw, "
+                     "without DeepSpeed")
 
 
 def _tensor_bytes(tensors) -> int:
@@ -195,10 +202,17 @@ class AdamW:
             for i, st in self.torch.state_dict()["state"].items():
                 for k, v in st.items():
                     tensors[f"adamw/{i}/{k}"] = v.cpu().clone() if torch.is_tensor(v) else torch.tensor(v)
-        return tensors, {"optim": "adamw"}
+        return tensors, {"optim": "adamw", **({"lora": self._lora()} if self._lora() else {})}
+
+    def _lora(self) -> list | None:
+        """What the weights of `state` are: None, the model's own; [rank, alpha, targets]: adapters."""
+        return None
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """The weights, and the moments where the checkpoint has them (a ZeroAdamW's has none: fresh)."""
+        if meta.get("lora") != self._lora():
+            raise ValueError(f"the learner checkpoint holds {_trained(meta.get('lora'))}, this run trains "
+                             f"{_trained(self._lora())}: resume with the [lora] settings it was written with")
         with torch.no_grad():
             for n, p in self.named:
                 p.copy_(tensors[f"param/{n}"])
@@ -224,6 +238,27 @@ class AdamW:
 
     def metrics(self) -> dict[str, float]:
         return {}
+
+
+def _trained(lora: list | None) -> str:
+    return "every weight" if not lora else f"LoRA adapters (rank {lora[0]}, alpha {lora[1]:g}, on {', '.join(lora[2])})"
+
+
+class LoRAAdamW(AdamW):
+    """AdamW on the LoRA adapters of `model` (`named`), the base frozen (services/lora.py)."""
+
+    def __init__(self, model: torch.nn.Module, named: list, optim: OptimConfig, ranks, lora: LoRAConfig) -> None:
+        self.model, self.lora = model, lora
+        super().__init__(named, optim, ranks)
+
+    def published(self) -> tuple[dict, None] | None:
+        """(the model with its adapters merged, as fp32 numpy under its own names, no σ) on rank 0."""
+        if not self.ranks.first:
+            return None
+        return {n: t.float().cpu().numpy().copy() for n, t in merged_weights(self.model).items()}, None
+
+    def _lora(self) -> list:
+        return [self.lora.rank, self.lora.alpha, list(self.lora.target_modules)]
 
 
 class ZeroAdamW(AdamW):

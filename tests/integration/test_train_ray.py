@@ -56,6 +56,7 @@ ALGORITHMS = {
     "grpo_adamw": ["algo.exploration=grpo", "algo.n_slots=1", "optim.name=adamw", "optim.lr=1e-4"],
     "dr_grpo": ["algo.exploration=grpo", "algo.n_slots=1", "algo.advantage=dr_grpo",
                 "algo.loss_agg=seq-mean-token-sum-norm"],
+    "grpo_lora": ["algo.exploration=grpo", "algo.n_slots=1", "optim.name=adamw", "optim.lr=1e-3", "lora.rank=4"],
     "b3po": ["algo.exploration=b3po", "algo.n_slots=1"],
     "m3po": ["algo.exploration=m3po", "algo.n_slots=2"],
     "c3po_lampo": ["algo.exploration=c3po", "algo.n_slots=4", "algo.advantage=lampo", "algo.kl_coef=1e-3"],
@@ -77,6 +78,9 @@ def test_a_few_steps_of_each_algorithm(ray_session, tmp_path, tiny_dense_path, n
     assert os.path.isfile(os.path.join(summary["final_checkpoint"], "model.safetensors"))
     if name in ("b3po", "m3po", "c3po_lampo"):
         assert rows[-1]["sigma_p50"] > 0  # a posterior with noise served the rollouts
+    if name == "grpo_lora":  # the merged model above, and the adapters as a PEFT adapter directory
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= set(
+            os.listdir(os.path.join(summary["final_checkpoint"], "adapter")))
 
 
 def _kill_when(run_dir, name, rows_seen, also_restart=True, after=None):

@@ -1,0 +1,126 @@
+"""LoRA adapters on the learner's model (`[lora]`), through the `peft` library: the base weights frozen,
+each target linear layer W given a trainable low-rank term, W x + (α / r) · B A x (Hu et al. 2021,
+"LoRA", eq. 3; A [r, in] random, B [out, r] zero at the start, so training starts at the base model).
+
+`attach` puts adapters into a loaded transformers model in place (`peft.inject_adapter_in_model`: the
+model keeps its class and its `base_model`, so every forward of services/prefix_forward.py runs
+unchanged) and freezes everything else; its trainable parameters are then the adapters alone.
+`merged_weights` is the model with each adapter folded in, W + (α / r) · B A, under the model's own
+parameter names: what the learner publishes and exports, so every engine serves it as it serves any
+full model. `save_adapter` writes the adapters as a PEFT adapter directory (`adapter_config.json`,
+`adapter_model.safetensors`) that `peft.PeftModel.from_pretrained` and vLLM's LoRA loader read.
+
+Not here: which optimizer trains the adapters (services/learner/optimizers.py). Importing this module
+imports neither torch nor peft (the configuration reads `LoRAConfig` and `check_lora`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from threepo.services.learner.config import AlgoConfig, LearnerConfig, OptimConfig
+
+_ADAPTER = "default"  # peft's name for the one adapter
+_PEFT_PREFIX = "base_model.model."  # how a PeftModel names what it wraps, in the adapter file
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA on the learner's model (`[lora]`); rank 0 trains every weight."""
+
+    rank: int = 0
+    """r of every adapter (0: no adapters, full fine-tuning)."""
+    alpha: float = 16.0
+    """α: the adapter term is scaled by α / r."""
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Names of the linear layers given adapters (the last part of a module's name; the default:
+    every attention and MLP projection of Qwen2, Llama and Mistral decoders). No dropout: a
+    rollout's log-probabilities must be the same at every forward."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"lora.rank: expected >= 0 (0 = off), got {self.rank}")
+        if not self.alpha > 0:
+            raise ValueError(f"lora.alpha: expected > 0, got {self.alpha}")
+        if self.rank and not self.target_modules:
+            raise ValueError("lora.target_modules: expected at least one module name")
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+
+
+def check_lora(lora: LoRAConfig, algo: AlgoConfig, optim: OptimConfig, learner: LearnerConfig) -> None:
+    """Reject what LoRA training (`lora.rank` > 0, services/lora.py) does not do yet, naming the keys to change."""
+    if not lora.rank:
+        return
+    if optim.name != "adamw":
+        raise ValueError(f"lora.rank={lora.rank} trains the adapters with optim.name=adamw (the GRPO family: "
+                         "--config grpo_baseline); a posterior over adapters (IVON, the 3PO slots) needs engines "
+                         "that serve perturbed adapters, which are not built yet: set lora.rank=0 for C3PO")
+    for bad, fix in ((learner.deepspeed_stage >= 0, "learner.deepspeed_stage=-1"), (learner.ranks > 1, "learner.ranks=1"),
+                     (algo.vp2o, "algo.vp2o=false")):
+        if bad:
+            raise ValueError(f"lora.rank={lora.rank} trains on one learner rank without DeepSpeed or VP2O: set {fix}")
+
+
+def _peft_config(cfg: LoRAConfig, base_path: str = ""):
+    from peft import LoraConfig
+
+    return LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=list(cfg.target_modules), lora_dropout=0.0,
+                      base_model_name_or_path=base_path or None)
+
+
+def attach(model: torch.nn.Module, cfg: LoRAConfig) -> torch.nn.Module:
+    """Adapters of `cfg` in `model`, in place; every other parameter frozen. A target that names no
+    module of the model is one clear error, not a silent full-model run."""
+    from peft import inject_adapter_in_model
+
+    leaves = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in cfg.target_modules if t not in leaves]
+    if missing:
+        raise ValueError(f"lora.target_modules: {missing} name no module of this {type(model).__name__}; "
+                         f"its linear layers include {sorted(_linear_leaves(model))}")
+    return inject_adapter_in_model(_peft_config(cfg), model, adapter_name=_ADAPTER)
+
+
+def _linear_leaves(model: torch.nn.Module) -> set[str]:
+    import torch
+
+    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name}
+
+
+def merged_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """{name: W + (α / r) · B A for an adapted layer's weight, else the parameter}, detached, under
+    the names the model has without adapters (tied weights once, as `named_parameters` gives them)."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    with torch.no_grad():
+        return _merged(model, LoraLayer)
+
+
+def _merged(model, LoraLayer) -> dict:
+    deltas = {f"{name}.base_layer.weight": m.get_delta_weight(_ADAPTER) for name, m in model.named_modules()
+              if isinstance(m, LoraLayer)}
+    out = {}
+    for name, p in model.named_parameters():
+        if ".lora_" in name:
+            continue
+        out[name.replace(".base_layer.", ".")] = p.detach() + deltas[name] if name in deltas else p.detach()
+    return out
+
+
+def save_adapter(model: torch.nn.Module, cfg: LoRAConfig, directory: str, base_path: str) -> str:
+    """The adapters as a PEFT adapter directory on the base model at `base_path`."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    state = get_peft_model_state_dict(model, adapter_name=_ADAPTER)
+    save_file({_PEFT_PREFIX + k: v.detach().contiguous() for k, v in state.items()},
+              os.path.join(directory, "adapter_model.safetensors"))
+    _peft_config(cfg, os.path.abspath(base_path)).save_pretrained(directory)
+    return directory

@@ -1,0 +1,117 @@
+"""LoRA adapters (services/lora.py) and the learner training them (optimizers.LoRAAdamW): the merged
+weights are the adapted model, a step moves the adapters alone, a version publishes the merged model
+under the model's own names, the export is an HF checkpoint plus a PEFT adapter directory peft loads,
+and a checkpoint resumes only with the adapters it was written with."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig
+from threepo.services.learner.core import Learner
+from threepo.services.lora import LoRAConfig, attach, merged_weights
+from threepo.services.modeling import load_model, load_tokenizer, trainable_named_parameters
+
+from test_learner import _groups, _step  # the learner tests' rollouts (tests/services is on sys.path)
+
+LORA = LoRAConfig(rank=4, alpha=8.0)
+
+
+def _lora_learner(path, lora=LORA):
+    return Learner(path, AlgoConfig(exploration="grpo", n_slots=1, group_size=8),
+                   OptimConfig(name="adamw", lr=1e-2, weight_decay=0.0), SyncConfig(max_staleness=1),
+                   temperature=1.0, max_new_tokens=10, lora=lora)
+
+
+@pytest.fixture(scope="module")
+def sampler(tiny_dense_path):
+    return load_model(tiny_dense_path).eval(), load_tokenizer(tiny_dense_path)
+
+
+def _nudge_adapters(model, seed=0):
+    """B is zero at the start (the adapted model is the base): give every adapter a non-zero term."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+
+
+def test_merged_weights_are_the_adapted_model_under_the_models_own_names(tiny_dense_path):
+    base = load_model(tiny_dense_path).eval()
+    names = [n for n, _ in base.named_parameters()]
+    model = attach(load_model(tiny_dense_path).eval(), LORA)
+    assert all(".lora_" in n for n, _ in trainable_named_parameters(model))  # the base frozen
+    assert {n.split(".")[-4] for n, _ in trainable_named_parameters(model)} == set(LORA.target_modules)
+    ids = torch.randint(3, 60, (2, 7), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(model(input_ids=ids).logits, base(input_ids=ids).logits)  # B = 0: the base model
+    _nudge_adapters(model)
+    merged = merged_weights(model)
+    assert list(merged) == names
+    with torch.no_grad():
+        for n, p in base.named_parameters():
+            p.copy_(merged[n])
+    adapted = model(input_ids=ids).logits
+    assert not torch.allclose(adapted, load_model(tiny_dense_path)(input_ids=ids).logits, atol=1e-4)
+    torch.testing.assert_close(base(input_ids=ids).logits, adapted, atol=1e-5, rtol=1e-5)
+    untouched = [n for n in names if not any(f".{t}." in n for t in LORA.target_modules) or n.endswith(".bias")]
+    assert untouched and all(torch.equal(merged[n], dict(load_model(tiny_dense_path).named_parameters())[n])
+                             for n in untouched)
+
+
+def test_a_target_that_names_no_module_is_one_clear_error(tiny_dense_path):
+    with pytest.raises(ValueError, match=r"lora.target_modules: \['qkv'\] name no module"):
+        attach(load_model(tiny_dense_path), LoRAConfig(rank=2, target_modules=("q_proj", "qkv")))
+
+
+def test_a_step_moves_the_adapters_alone_and_a_version_publishes_the_merged_model(sampler, tiny_dense_path):
+    learner = _lora_learner(tiny_dense_path)
+    base = {n: p.detach().clone() for n, p in learner.model.named_parameters() if ".lora_" not in n}
+    first = learner.published()
+    assert first.sigma is None
+    start = {n: p.detach().numpy() for n, p in load_model(tiny_dense_path).named_parameters()}
+    assert list(first.mean) == list(start) and all((first.mean[n] == start[n]).all() for n in start)
+    _step(learner, _groups(sampler, learner, "grpo", 1, 8))
+    assert all(torch.equal(p, base[n]) for n, p in learner.model.named_parameters() if ".lora_" not in n)
+    pv = learner.published()
+    moved = {n for n in start if not (pv.mean[n] == start[n]).all()}
+    assert moved and all(any(f".{t}.weight" in n for t in LORA.target_modules) for n in moved)
+    merged = merged_weights(learner.model)
+    assert all(torch.equal(torch.from_numpy(pv.mean[n]), merged[n]) for n in merged)
+
+
+def test_the_export_is_an_hf_checkpoint_and_a_peft_adapter_of_the_same_policy(sampler, tiny_dense_path, tmp_path):
+    from peft import PeftModel
+
+    learner = _lora_learner(tiny_dense_path)
+    _nudge_adapters(learner.model)
+    out = learner.save_pretrained(str(tmp_path / "final"))
+    load_tokenizer(tiny_dense_path).save_pretrained(out)
+    ids = torch.randint(3, 60, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = learner.model.eval()(input_ids=ids).logits
+        merged = load_model(out).eval()(input_ids=ids).logits
+        adapter = PeftModel.from_pretrained(load_model(tiny_dense_path).eval(), os.path.join(out, "adapter"))
+        via_peft = adapter(input_ids=ids).logits
+    torch.testing.assert_close(merged, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(via_peft, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_checkpoint_resumes_the_adapters_and_refuses_other_lora_settings(sampler, tiny_dense_path):
+    a = _lora_learner(tiny_dense_path)
+    groups = _groups(sampler, a, "grpo", 1, 8)
+    _step(a, groups)
+    tensors, meta = a.state()
+    assert all(".lora_" in k for k in tensors if k.startswith("param/"))  # the adapters, not the base
+    b = _lora_learner(tiny_dense_path)
+    b.load_state({k: v.clone() for k, v in tensors.items()}, meta)
+    ra, rb = _step(a, groups), _step(b, groups)
+    assert ra.metrics["loss"] == pytest.approx(rb.metrics["loss"], abs=1e-7)
+    assert all(torch.equal(x, y) for x, y in zip(merged_weights(a.model).values(), merged_weights(b.model).values()))
+    with pytest.raises(ValueError, match=r"holds LoRA adapters \(rank 4.*this run trains LoRA adapters \(rank 2"):
+        _lora_learner(tiny_dense_path, LoRAConfig(rank=2)).load_state(tensors, meta)
+    with pytest.raises(ValueError, match="holds LoRA adapters .* this run trains every weight"):
+        _lora_learner(tiny_dense_path, LoRAConfig()).load_state(tensors, meta)
