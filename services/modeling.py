@@ -98,14 +98,19 @@ def load_model(path: str, *, dtype: str = "float32") -> PreTrainedModel:
 
 
 def resolve_model(path: str, key: str = "model.path") -> str:
-    """The local checkpoint directory of `path`: the directory itself, or for a hub id
-    (`org/name`, not a directory here) its snapshot in the Hugging Face cache, fetched when the
-    machine is online (HF_HUB_OFFLINE unset). Raises `MissingPathError` naming `key` otherwise."""
+    """The local checkpoint directory of `path`: the directory itself; for a PEFT adapter directory
+    its base with the adapter merged (`lora.merged_checkpoint`, cached); for a hub id (`org/name`,
+    not a directory here) its snapshot in the Hugging Face cache, fetched when the machine is online
+    (HF_HUB_OFFLINE unset). Raises `MissingPathError` naming `key` otherwise."""
     import os
     import re
 
     from threepo.services.errors import MissingPathError
 
+    if os.path.isfile(os.path.join(path, "adapter_config.json")) and not os.path.isfile(os.path.join(path, "config.json")):
+        from threepo.services.lora import merged_checkpoint  # a PEFT adapter directory: its base, merged
+
+        return merged_checkpoint(path, key)
     if os.path.isdir(path) or not re.fullmatch(r"[\w.-]+/[\w.-]+", path) or path.startswith("."):
         check_checkpoint_dir(path, key)
         return path

@@ -100,6 +100,24 @@ def test_the_export_is_an_hf_checkpoint_and_a_peft_adapter_of_the_same_policy(sa
     torch.testing.assert_close(via_peft, want, atol=1e-5, rtol=1e-5)
 
 
+
+def test_model_path_takes_an_adapter_directory_as_its_base_with_the_adapter_merged(tiny_dense_path, tmp_path,
+                                                                                   monkeypatch):
+    from threepo.services.modeling import resolve_model
+
+    monkeypatch.setenv("THREEPO_CACHE", str(tmp_path / "cache"))
+    learner = _lora_learner(tiny_dense_path)
+    _nudge_adapters(learner.model, seed=3)
+    adapter = os.path.join(learner.save_pretrained(str(tmp_path / "final")), "adapter")
+    path = resolve_model(adapter)
+    assert path.startswith(str(tmp_path / "cache")) and resolve_model(adapter) == path  # merged once
+    ids = torch.randint(3, 60, (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(path)(input_ids=ids).logits, learner.model.eval()(input_ids=ids).logits,
+                                   atol=1e-5, rtol=1e-5)
+    assert load_tokenizer(path).get_vocab() == load_tokenizer(tiny_dense_path).get_vocab()
+
+
 def test_a_checkpoint_resumes_the_adapters_and_refuses_other_lora_settings(sampler, tiny_dense_path):
     a = _lora_learner(tiny_dense_path)
     groups = _groups(sampler, a, "grpo", 1, 8)
@@ -115,3 +133,15 @@ def test_a_checkpoint_resumes_the_adapters_and_refuses_other_lora_settings(sampl
         _lora_learner(tiny_dense_path, LoRAConfig(rank=2)).load_state(tensors, meta)
     with pytest.raises(ValueError, match="holds LoRA adapters .* this run trains every weight"):
         _lora_learner(tiny_dense_path, LoRAConfig()).load_state(tensors, meta)
+
+
+def test_an_adapter_directory_without_a_usable_base_is_one_clear_error(tmp_path):
+    from threepo.services.errors import MissingPathError
+    from threepo.services.modeling import resolve_model
+
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    with pytest.raises(MissingPathError, match="names no base_model_name_or_path"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA", "base_model_name_or_path": "/no/such"}')
+    with pytest.raises(MissingPathError, match=r"model.path \(the base_model_name_or_path of .*no such directory"):
+        resolve_model(str(tmp_path))
