@@ -18,6 +18,7 @@ imports neither torch nor peft (the configuration reads `LoRAConfig` and `check_
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -92,6 +93,22 @@ def _linear_leaves(model: torch.nn.Module) -> set[str]:
     import torch
 
     return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name}
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module):
+    """`model` as its base for the duration: every adapter's term left out (peft's `enable_adapters`),
+    then put back, trainable again. The KL penalty's reference policy is this, not a second copy."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
 
 
 def merged_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,7 +48,7 @@ from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig,
 from threepo.services.learner.optimizers import make_optimizer
 from threepo.services.learner.ranks import Ranks, SingleRank
 from threepo.services.batching import TrainBatch, collate
-from threepo.services.lora import LoRAConfig, attach, merged_weights, save_adapter
+from threepo.services.lora import LoRAConfig, adapters_off, attach, merged_weights, save_adapter
 from threepo.services.messages import CompletionBatch, GroupRows, PublishedVersion, ScoreBatch
 from threepo.services.modeling import load_model, trainable_named_parameters
 from threepo.services.learner.beside import BesideProcess, Pending
@@ -100,7 +101,8 @@ class Learner:
         self.budget, self.checkpointing = activation_mb << 20, gradient_checkpointing  # learner/memory.py
         self.bf16 = bf16  # mixed precision: the steps' matmuls in bfloat16, everything kept in fp32
         self.chunk = head_chunk(self.model.config, self.budget)
-        self.ref_model = load_model(model_path).to(self.device).eval() if algo.kl_coef else None
+        # the KL penalty's reference: the starting model (under LoRA, the model with its adapters left out)
+        self.ref_model = load_model(model_path).to(self.device).eval() if algo.kl_coef and not self.lora.rank else None
         # the drift forwards at slot weights in a process beside the update (config.has_drift_process)
         noise = noise or NoiseConfig()
         self.beside = (BesideProcess(model_path, self.named, temperature, self.chunk, bf16, noise.rank) if beside and
@@ -290,9 +292,9 @@ class Learner:
         loss = losses.aggregate_loss(loss_tok, mask_eff, a.loss_agg, **agg)
         if a.entropy_coef:
             loss = loss - a.entropy_coef * losses.aggregate_loss(entropy, mask_eff, a.loss_agg, **agg)
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref_logp = self._row_logprobs(self.ref_model, batch, rows)
+        if a.kl_coef:
+            with torch.no_grad(), (adapters_off(self.model) if self.lora.rank else nullcontext(self.ref_model)) as ref:
+                ref_logp = self._row_logprobs(ref, batch, rows)
             kl = losses.kl_penalty(logp, ref_logp, a.kl_estimator)
             loss = loss + a.kl_coef * losses.aggregate_loss(kl, mask_eff, a.loss_agg, **agg)
         spec_loss, extra = self.around.extra_loss()

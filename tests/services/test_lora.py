@@ -145,3 +145,27 @@ def test_an_adapter_directory_without_a_usable_base_is_one_clear_error(tmp_path)
     (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA", "base_model_name_or_path": "/no/such"}')
     with pytest.raises(MissingPathError, match=r"model.path \(the base_model_name_or_path of .*no such directory"):
         resolve_model(str(tmp_path))
+
+
+def test_the_kl_reference_under_lora_is_the_base_model_without_a_second_copy(sampler, tiny_dense_path):
+    from threepo.services.lora import adapters_off
+
+    learner = Learner(tiny_dense_path, AlgoConfig(exploration="grpo", n_slots=1, group_size=8, kl_coef=0.1),
+                      OptimConfig(name="adamw", lr=1e-2, weight_decay=0.0), SyncConfig(max_staleness=1),
+                      temperature=1.0, max_new_tokens=10, lora=LORA)
+    assert learner.ref_model is None
+    _nudge_adapters(learner.model, seed=5)
+    ids = torch.randint(3, 60, (2, 7), generator=torch.Generator().manual_seed(6))
+    model = learner.model.eval()
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        with adapters_off(model) as ref:
+            torch.testing.assert_close(ref(input_ids=ids).logits, load_model(tiny_dense_path)(input_ids=ids).logits,
+                                       atol=1e-6, rtol=1e-6)
+        assert torch.equal(model(input_ids=ids).logits, adapted)  # the adapters are back
+    assert all(p.requires_grad for n, p in model.named_parameters() if ".lora_" in n)
+    learner.model.train()
+    before = {n: p.detach().clone() for n, p in learner.named}
+    result = _step(learner, _groups(sampler, learner, "grpo", 1, 8))  # the penalty's forward runs adapters-off
+    assert result.metrics["loss"] == result.metrics["loss"]
+    assert any(not torch.equal(p, before[n]) for n, p in learner.named)  # and the adapters still train
