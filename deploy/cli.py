@@ -39,7 +39,13 @@ def main(argv: list[str] | None = None) -> int:
         if name == "train":
             p.add_argument("--resume", nargs="?", const="auto", default=None,
                            help="resume from a run directory (or 'auto': the newest run of this name)")
-    args = parser.parse_args(argv)
+    # overrides may stand on both sides of an option (`train a.b=1 --config grpo_baseline c.d=2`): argparse
+    # collects one run of positionals, so the ones after an option come back here, in their order
+    args, extra = parser.parse_known_args(argv)
+    unknown = [a for a in extra if a.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*args.overrides, *extra]
 
     from threepo.deploy.config import ConfigError
     from threepo.services.bootstrap import BootstrapFailed

@@ -113,6 +113,14 @@ def test_other_mistakes_a_new_user_makes(runs, tmp_path):
     assert not list(runs.iterdir())
 
 
+def test_overrides_stand_on_either_side_of_an_option_and_keep_their_order(runs):
+    result = threepo("train", "runtime.steps=5", "--config", "grpo_baseline", "runtime.steps=7", "lora.rank=2",
+                     "--show-config")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "\nsteps = 7\n" in result.stdout and "rank = 2" in result.stdout
+    assert threepo("train", "--config", "grpo_baseline", "--bogus").returncode == 2
+
+
 def test_debug_shows_the_traceback(runs):
     result = threepo("train", "model.path=/no/such/model", f"runs_dir={runs}", "--debug")
     assert result.returncode == 1 and "Traceback" in result.stderr and "MissingPathError" in result.stderr
