@@ -8,9 +8,9 @@ unchanged) and freezes everything else; its trainable parameters are then the ad
 `merged_weights` is the model with each adapter folded in, W + (α / r) · B A, under the model's own
 parameter names: what the learner publishes and exports, so every engine serves it as it serves any
 full model. `save_adapter` writes the adapters as a PEFT adapter directory (`adapter_config.json`,
-`adapter_model.safetensors`) that `peft.PeftModel.from_pretrained` and vLLM's LoRA loader read;
-`merged_checkpoint` turns such a directory (threepo's or anyone's) back into a full checkpoint, which
-is how `model.path` accepts one.
+`adapter_model.safetensors`) that `peft.PeftModel.from_pretrained` and vLLM's LoRA loader read
+(services/modeling.py `adapter_checkpoint` turns such a directory back into a full checkpoint, which
+is how `model.path` accepts one).
 
 Not here: which optimizer trains the adapters (services/learner/optimizers.py). Importing this module
 imports neither torch nor peft (the configuration reads `LoRAConfig` and `check_lora`).
@@ -143,43 +143,3 @@ def save_adapter(model: torch.nn.Module, cfg: LoRAConfig, directory: str, base_p
               os.path.join(directory, "adapter_model.safetensors"))
     _peft_config(cfg, os.path.abspath(base_path)).save_pretrained(directory)
     return directory
-
-
-def merged_checkpoint(adapter_dir: str, key: str = "model.path") -> str:
-    """A PEFT adapter directory as an HF checkpoint every engine loads: its base model (the
-    `base_model_name_or_path` of its adapter_config.json: a directory or a hub id, as `model.path`
-    takes them) with the adapter merged, and the base's tokenizer; written once under the cache
-    ($THREEPO_CACHE or ~/.cache/threepo), keyed by the adapter's files and the base's path."""
-    import hashlib
-    import json
-
-    from threepo.services.errors import MissingPathError
-    from threepo.services.modeling import load_model, load_tokenizer, resolve_model
-
-    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
-        base_name = json.load(f).get("base_model_name_or_path") or ""
-    if not base_name:
-        raise MissingPathError(f"{key}={adapter_dir!r}: a PEFT adapter directory whose adapter_config.json names no "
-                               "base_model_name_or_path; expected the base model's directory or hub id there")
-    base = resolve_model(base_name, f"{key} (the base_model_name_or_path of {adapter_dir}/adapter_config.json)")
-    digest = hashlib.blake2b(os.path.abspath(base).encode(), digest_size=8)
-    for name in sorted(os.listdir(adapter_dir)):
-        if os.path.isfile(os.path.join(adapter_dir, name)):
-            digest.update(name.encode())
-            with open(os.path.join(adapter_dir, name), "rb") as f:
-                digest.update(f.read())
-    cache = os.environ.get("THREEPO_CACHE") or os.path.expanduser("~/.cache/threepo")
-    out = os.path.join(cache, f"merged-adapter-{digest.hexdigest()}")
-    if not os.path.isfile(os.path.join(out, "config.json")):
-        from peft import PeftModel
-
-        staging = f"{out}.partial-{os.getpid()}"
-        PeftModel.from_pretrained(load_model(base), adapter_dir).merge_and_unload().save_pretrained(staging)
-        load_tokenizer(base).save_pretrained(staging)
-        if os.path.isdir(out):  # another process merged it meanwhile
-            import shutil
-
-            shutil.rmtree(staging)
-        else:
-            os.replace(staging, out)
-    return out

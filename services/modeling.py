@@ -99,7 +99,7 @@ def load_model(path: str, *, dtype: str = "float32") -> PreTrainedModel:
 
 def resolve_model(path: str, key: str = "model.path") -> str:
     """The local checkpoint directory of `path`: the directory itself; for a PEFT adapter directory
-    its base with the adapter merged (`lora.merged_checkpoint`, cached); for a hub id (`org/name`,
+    its base with the adapter merged (`adapter_checkpoint`, cached); for a hub id (`org/name`,
     not a directory here) its snapshot in the Hugging Face cache, fetched when the machine is online
     (HF_HUB_OFFLINE unset). Raises `MissingPathError` naming `key` otherwise."""
     import os
@@ -108,9 +108,7 @@ def resolve_model(path: str, key: str = "model.path") -> str:
     from threepo.services.errors import MissingPathError
 
     if os.path.isfile(os.path.join(path, "adapter_config.json")) and not os.path.isfile(os.path.join(path, "config.json")):
-        from threepo.services.lora import merged_checkpoint  # a PEFT adapter directory: its base, merged
-
-        return merged_checkpoint(path, key)
+        return adapter_checkpoint(path, key)  # a PEFT adapter directory: its base, merged
     if os.path.isdir(path) or not re.fullmatch(r"[\w.-]+/[\w.-]+", path) or path.startswith("."):
         check_checkpoint_dir(path, key)
         return path
@@ -131,6 +129,46 @@ def resolve_model(path: str, key: str = "model.path") -> str:
                                "directory or a hub id this machine can fetch") from None
     check_checkpoint_dir(local, key)
     return local
+
+
+def adapter_checkpoint(adapter_dir: str, key: str = "model.path") -> str:
+    """A PEFT adapter directory as an HF checkpoint every engine loads: its base model (the
+    `base_model_name_or_path` of its adapter_config.json: a directory or a hub id, as `model.path`
+    takes them) with the adapter merged, and the base's tokenizer; written once under the cache
+    ($THREEPO_CACHE or ~/.cache/threepo), keyed by the adapter's files and the base's path."""
+    import hashlib
+    import json
+    import os
+
+    from threepo.services.errors import MissingPathError
+
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        base_name = json.load(f).get("base_model_name_or_path") or ""
+    if not base_name:
+        raise MissingPathError(f"{key}={adapter_dir!r}: a PEFT adapter directory whose adapter_config.json names no "
+                               "base_model_name_or_path; expected the base model's directory or hub id there")
+    base = resolve_model(base_name, f"{key} (the base_model_name_or_path of {adapter_dir}/adapter_config.json)")
+    digest = hashlib.blake2b(os.path.abspath(base).encode(), digest_size=8)
+    for name in sorted(os.listdir(adapter_dir)):
+        if os.path.isfile(os.path.join(adapter_dir, name)):
+            digest.update(name.encode())
+            with open(os.path.join(adapter_dir, name), "rb") as f:
+                digest.update(f.read())
+    cache = os.environ.get("THREEPO_CACHE") or os.path.expanduser("~/.cache/threepo")
+    out = os.path.join(cache, f"merged-adapter-{digest.hexdigest()}")
+    if not os.path.isfile(os.path.join(out, "config.json")):
+        from peft import PeftModel
+
+        staging = f"{out}.partial-{os.getpid()}"
+        PeftModel.from_pretrained(load_model(base), adapter_dir).merge_and_unload().save_pretrained(staging)
+        load_tokenizer(base).save_pretrained(staging)
+        if os.path.isdir(out):  # another process merged it meanwhile
+            import shutil
+
+            shutil.rmtree(staging)
+        else:
+            os.replace(staging, out)
+    return out
 
 
 def check_checkpoint_dir(path: str, key: str = "model.path") -> None:
