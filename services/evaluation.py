@@ -89,7 +89,8 @@ class EvalReport:
         how = "greedy" if self.temperature == 0 else f"T {self.temperature:g}"
         cut = (f"  truncated {self.truncated_rate:.3f} (over {TRUNCATION_WARNING:.0%}: raise sampler.max_new_tokens)"
                if self.truncated_rate > TRUNCATION_WARNING else "")
-        return (f"pass@1 {self.pass_at_1:.3f}  pass@{self.k} {self.pass_at_k:.3f}  "
+        at_k = f"pass@{self.k} {self.pass_at_k:.3f}  " if self.k > 1 else ""
+        return (f"pass@1 {self.pass_at_1:.3f}  {at_k}"
                 f"malformed {self.malformed_rate:.3f}  ({self.num_items} items x {self.samples_per_item} samples, "
                 f"{how}){cut}")
 

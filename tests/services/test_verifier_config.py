@@ -169,3 +169,6 @@ def test_evaluation_keeps_each_items_count_so_pass_at_any_k_is_the_unbiased_esti
     assert report.pass_at(3) == pytest.approx(float(pass_at_k([4] * 3, [3, 0, 1], 3).mean()))
     with pytest.raises(ValueError, match="samples_per_item=4"):
         report.pass_at(5)
+    assert report.summary().startswith(f"pass@1 {report.pass_at_1:.3f}  pass@2 {report.pass_at_k:.3f}  malformed")
+    greedy = evaluate(generate, items, verify, Prompts(), samples_per_item=1, k=1, temperature=0.0, max_new_tokens=4)
+    assert greedy.summary().startswith(f"pass@1 {greedy.pass_at_1:.3f}  malformed")  # pass@1 once when k = 1
