@@ -169,7 +169,7 @@ def start_point(args, cache: dict) -> dict:
     from threepo.deploy.commands import evaluate_policy
 
     model = model_for(REAL, args, cache)
-    report = evaluate_policy(_common.config(model, [*args.sizes, *real_overrides(args), *args.overrides]), model,
+    report = evaluate_policy(_common.config(model, [*args.sizes, *args.real, *args.overrides]), model,
                              label=f"{REAL} start").__dict__
     return {"pass1": report["pass_at_1"], "eval_malformed": report["malformed_rate"], "passk_curve": passk_curve(report)}
 
@@ -184,7 +184,7 @@ def plan(args) -> list[tuple]:
             extra = [*extra, f"algo.dead_group_scale={args.dead_scale}"] if arm == "c3po_dead" else extra
             if task == REAL:  # its settings after the study's (its own steps and sizes), the user's last
                 extra = [*extra, *REAL_ARMS.get(arm, []), *common, f"runtime.steps={args.real_steps}",
-                         *real_overrides(args), *args.overrides]
+                         *args.real, *args.overrides]
             for seed in args.seed_list:
                 runs.append((task, arm, seed, REAL if task == REAL else TASKS[task], recipe,
                              [*recipe_overrides(TASKS[task]), *extra, *([] if task == REAL else common),
@@ -434,6 +434,7 @@ def main() -> None:
             saved = json.load(f)
         results, start = saved["runs"], saved.get("start")
     done, cache, failed, started = {(r["task"], r["arm"], r["seed"]) for r in results}, {}, {}, time.monotonic()
+    args.real = real_overrides(args) if REAL in args.tasks else []  # the word-problem file written once
     if REAL in args.tasks and start is None:
         start = start_point(args, cache)
     todo, new = [r for r in plan(args) if r[:3] not in done], []

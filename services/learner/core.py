@@ -101,8 +101,10 @@ class Learner:
         self.budget, self.checkpointing = activation_mb << 20, gradient_checkpointing  # learner/memory.py
         self.bf16 = bf16  # mixed precision: the steps' matmuls in bfloat16, everything kept in fp32
         self.chunk = head_chunk(self.model.config, self.budget)
-        # the KL penalty's reference: the starting model (under LoRA, the model with its adapters left out)
+        # the KL penalty's reference, chosen once: the starting model, or under LoRA the model with its
+        # adapters left out (no second copy)
         self.ref_model = load_model(model_path).to(self.device).eval() if algo.kl_coef and not self.lora.rank else None
+        self.reference = (lambda: adapters_off(self.model)) if self.lora.rank else (lambda: nullcontext(self.ref_model))
         # the drift forwards at slot weights in a process beside the update (config.has_drift_process)
         noise = noise or NoiseConfig()
         self.beside = (BesideProcess(model_path, self.named, temperature, self.chunk, bf16, noise.rank) if beside and
@@ -293,7 +295,7 @@ class Learner:
         if a.entropy_coef:
             loss = loss - a.entropy_coef * losses.aggregate_loss(entropy, mask_eff, a.loss_agg, **agg)
         if a.kl_coef:
-            with torch.no_grad(), (adapters_off(self.model) if self.lora.rank else nullcontext(self.ref_model)) as ref:
+            with torch.no_grad(), self.reference() as ref:
                 ref_logp = self._row_logprobs(ref, batch, rows)
             kl = losses.kl_penalty(logp, ref_logp, a.kl_estimator)
             loss = loss + a.kl_coef * losses.aggregate_loss(kl, mask_eff, a.loss_agg, **agg)

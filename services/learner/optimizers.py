@@ -202,7 +202,8 @@ class AdamW:
             for i, st in self.torch.state_dict()["state"].items():
                 for k, v in st.items():
                     tensors[f"adamw/{i}/{k}"] = v.cpu().clone() if torch.is_tensor(v) else torch.tensor(v)
-        return tensors, {"optim": "adamw", **({"lora": self._lora()} if self._lora() else {})}
+        lora = self._lora()
+        return tensors, {"optim": "adamw", **({"lora": lora} if lora else {})}
 
     def _lora(self) -> list | None:
         """What the weights of `state` are: None, the model's own; [rank, alpha, targets]: adapters."""
