@@ -27,11 +27,37 @@ def init_ray(cfg: RunConfig) -> None:
     if rt.metrics_host == "127.0.0.1":
         _local_node_on_loopback()
     # address="local": a new cluster, never one another process on this machine started last
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 2, _cpus_needed(cfg)), include_dashboard=False,
-             log_to_driver=False, runtime_env={"env_vars": ACTOR_ENV}, **extra)
+    _start_local(num_cpus=max(os.cpu_count() or 2, _cpus_needed(cfg)), include_dashboard=False,
+                 log_to_driver=False, runtime_env={"env_vars": ACTOR_ENV}, **extra)
     port = ray.nodes()[0]["MetricsExportPort"]
     taken = f" (runtime.metrics_port={rt.metrics_port} was taken)" if rt.metrics_port not in (0, port) else ""
     print(f"threepo: Prometheus metrics at http://{rt.metrics_host}:{port}/metrics{taken}")
+
+
+STARTUP_TRIES = 3
+
+
+def _start_local(**init_kwargs) -> None:
+    """`ray.init(address="local", ...)`, tried again when the node times out during startup: Ray
+    gives its raylet a fixed 30 s to register with the GCS, which a loaded machine (a busy laptop,
+    a 2-core CI runner) can miss. The half-started node's processes are stopped before the next try;
+    the last try's error propagates."""
+    import psutil
+
+    for attempt in range(1, STARTUP_TRIES + 1):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        try:
+            ray.init(address="local", **init_kwargs)
+            return
+        except Exception as error:
+            if "timed out during startup" not in str(error) or attempt == STARTUP_TRIES:
+                raise
+            started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+            for proc in started:
+                proc.kill()
+            psutil.wait_procs(started, timeout=30)
+            print(f"threepo: the local Ray node did not register within Ray's 30 s (try {attempt} of "
+                  f"{STARTUP_TRIES}, machine busy?); starting it again", flush=True)
 
 
 def _local_node_on_loopback() -> None:
