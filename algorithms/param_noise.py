@@ -141,6 +141,22 @@ def perturbed(mean: torch.Tensor, sigma: torch.Tensor, seed: int | None, name: s
     return out.add_(mean.to(out.device, torch.float32))
 
 
+def lora_perturbed(base: torch.Tensor, a_mean: torch.Tensor, a_sigma: torch.Tensor | None, b_mean: torch.Tensor,
+                   b_sigma: torch.Tensor | None, seed: int | None, a_name: str, b_name: str, scaling: float,
+                   scale: float = 1.0, rank: int = 0) -> torch.Tensor:
+    """W = W0 + s · B̂ Â in fp32 on W0's device: a layer's weight under a posterior sample of its LoRA
+    adapter (Hu et al. 2021, "LoRA", eq. 3: W0 x + s · B A x, s = α / r), Â = m_A + c · σ_A ⊙ z(seed,
+    `a_name`) and B̂ likewise (`perturbed`: the same Â, B̂ the learner's adapters hold at that seed;
+    `seed=None` or σ None: the means). Shapes: W0 [out, in], A [r, in], B [out, r] -> [out, in].
+    Unlike θ̂ itself the product B̂ Â is a matmul, rounded as the device's BLAS sums (not bit-identical
+    across devices); the adapters it is built from are."""
+    noisy = seed is not None
+    a = perturbed(a_mean, a_sigma, seed, a_name, scale, rank=rank) if noisy and a_sigma is not None else a_mean.float()
+    b = perturbed(b_mean, b_sigma, seed, b_name, scale, rank=rank) if noisy and b_sigma is not None else b_mean.float()
+    device = base.device
+    return torch.addmm(base.float(), b.to(device), a.to(device), alpha=scaling)
+
+
 @torch.no_grad()
 def load_perturbed(params: Iterable[tuple[str, torch.Tensor]], means: Mapping[str, torch.Tensor],
                    sigmas: Mapping[str, torch.Tensor], seed: int | None, scale: float = 1.0, rank: int = 0) -> None:

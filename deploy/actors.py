@@ -57,7 +57,7 @@ class SamplerActor:
         version = requests[0].policy_version
         if self.sampler.version != version:
             pv = ray.get(weights[0])
-            self.sampler.update(version, pv.mean, pv.sigma, pv.mean_checksum, pv.noise_rank)
+            self.sampler.update(version, pv.mean, pv.sigma, pv.mean_checksum, pv.noise_rank, pv.lora)
         batch = self.sampler.generate(requests)
         return report_of(batch), batch
 
@@ -204,7 +204,7 @@ class EvaluatorActor:
         self.cfg = cfg
 
     def evaluate(self, pv) -> tuple[float, int]:
-        self.evaluator.load(pv.mean, pv.mean_checksum)
+        self.evaluator.load(pv.mean, pv.mean_checksum, pv.lora)
         report = self.evaluator.evaluate(samples_per_item=1, k=1, temperature=self.cfg.temperature,
                                          max_new_tokens=self.cfg.max_new_tokens)
         return report.pass_at_1, report.num_items

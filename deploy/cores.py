@@ -133,7 +133,7 @@ def drift_process(cfg: RunConfig, cores: set[int] | None = None) -> tuple[bool, 
     or an elastic pool, whose cores the driver cannot count, keeps the setting, as does a learner
     that has no drift process (AdamW, R ranks, a GPU)."""
     rt, learner = cfg.runtime, cfg.learner
-    used = has_drift_process(cfg.optim.name, learner.ranks, learner.deepspeed_stage, learner.device)
+    used = has_drift_process(cfg.optim.name, learner.ranks, learner.deepspeed_stage, learner.device, cfg.lora.rank)
     if not (learner.drift_process and used) or rt.ray_address or not rt.num_samplers:
         return learner.drift_process, ""
     if not cores:  # not given, or unknown (no sched_getaffinity)

@@ -131,16 +131,20 @@ def delivery_figures(s) -> dict:
 
 def write_summary(s, run_dir: str, **extra) -> dict:
     """summary.json at the end of a run (`s`: the driver's Loop): delivery counts, wall, each role's
-    peak memory, the report's files; `extra`: why it stopped or the final checkpoint."""
+    peak memory, the MiB one engine receives per version (m and σ; a LoRA posterior's: the
+    adapters'), the report's files; `extra`: why it stopped or the final checkpoint."""
     from dataclasses import asdict
 
     from threepo.deploy.actors import role_memory
     from threepo.deploy.report import make_report
 
+    import ray
+
     s.log.close()
     memory = role_memory(s.roles)
+    version_bytes = ray.get(s.roles.posterior.bytes_of.remote(s.ledger.version))
     summary = {**extra, "steps": s.ledger.step, "version": s.ledger.version, **asdict(s.ledger.counts),
-               "consumed_prompts": len(s.ledger.consumed),
+               "consumed_prompts": len(s.ledger.consumed), "version_mb": round(version_bytes / 2**20, 3),
                "wall_s": round(s.log.elapsed(), 2), "peak_memory_mb": memory,
                "peak_memory_total_mb": round(sum(memory.values()), 1),
                "report": [str(p) for p in make_report(run_dir)] if s.ledger.step else []}

@@ -184,9 +184,10 @@ class Evaluator:
 
         return cls(sample, items, verifier or VerifierConfig(), prompts)
 
-    def load(self, mean: Mapping, mean_checksum: str) -> None:
-        """Serve a published mean (the evaluations during training)."""
-        self.engine.load_version(self.engine.version + 1, mean, None, mean_checksum)
+    def load(self, mean: Mapping, mean_checksum: str, lora: tuple | None = None) -> None:
+        """Serve a published mean (the evaluations during training; `lora` = (r, α): a LoRA adapter's
+        mean, over the base the engine loaded)."""
+        self.engine.load_version(self.engine.version + 1, mean, None, mean_checksum, lora=lora)
 
     def evaluate(self, *, samples_per_item: int, k: int, temperature: float, max_new_tokens: int,
                  progress: Callable[[int], None] | None = None) -> EvalReport:

@@ -55,14 +55,15 @@ class LoRAConfig:
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
 
 
-def check_lora(lora: LoRAConfig, algo: AlgoConfig, optim: OptimConfig, learner: LearnerConfig) -> None:
+def check_lora(lora: LoRAConfig, algo: AlgoConfig, optim: OptimConfig, learner: LearnerConfig,
+               sampler_backend: str = "hf") -> None:
     """Reject what LoRA training (`lora.rank` > 0, services/lora.py) does not do yet, naming the keys to change."""
     if not lora.rank:
         return
-    if optim.name != "adamw":
-        raise ValueError(f"lora.rank={lora.rank} trains the adapters with optim.name=adamw (the GRPO family: "
-                         "--config grpo_baseline); a posterior over adapters (IVON, the 3PO slots) needs engines "
-                         "that serve perturbed adapters, which are not built yet: set lora.rank=0 for C3PO")
+    if optim.name == "ivon" and sampler_backend != "hf":
+        raise ValueError(f"lora.rank={lora.rank} with optim.name=ivon publishes adapter posteriors, which "
+                         f"sampler.backend=hf serves (vLLM's and SGLang's LoRA paths are not wired yet): set "
+                         f"sampler.backend=hf, or train the adapters with --config grpo_baseline")
     for bad, fix in ((learner.deepspeed_stage >= 0, "learner.deepspeed_stage=-1"), (learner.ranks > 1, "learner.ranks=1"),
                      (algo.vp2o, "algo.vp2o=false")):
         if bad:

@@ -292,7 +292,9 @@ class PublishedVersion:
     posterior server numbers versions (it owns them). `slots`: (seed, σ scale) of each slot the
     version serves, as the learner's noise control chose them (services/learner/noise_control.py);
     None: the server draws the seeds of its plan itself, at scale 1. `noise_rank`: the rank of each
-    slot's noise per matrix (`[noise] rank`; 0: full noise)."""
+    slot's noise per matrix (`[noise] rank`; 0: full noise). `lora`: (r, α) when the version is a LoRA
+    adapter posterior (`[lora]` with IVON): `mean` and `sigma` are then the adapters' alone, which engines
+    serve over the base weights they loaded (services/engines/slot_bank.py `Adapters`)."""
 
     learner_step: int
     reason: str
@@ -301,4 +303,5 @@ class PublishedVersion:
     mean_checksum: str
     slots: tuple | None = None  # ((seed, scale), ...) one per slot
     noise_rank: int = 0
+    lora: tuple | None = None  # (rank, alpha)
 

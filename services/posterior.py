@@ -79,6 +79,7 @@ class _Version:
     reason: str
     mean_checksum: str
     noise_rank: int = 0
+    lora: tuple | None = None
 
 
 def _frozen_fp32(arrays: Mapping[str, np.ndarray], what: str) -> dict[str, np.ndarray]:
@@ -130,7 +131,7 @@ class PosteriorServer:
             raise ValueError(f"version {version}: sigma is None, but the {cfg.kind} plan has seeded "
                              "slots (publish σ, or use kind='grpo')")
         self._versions[version] = _Version(mean, sigma, plan, pv.learner_step, pv.reason, pv.mean_checksum,
-                                           pv.noise_rank)
+                                           pv.noise_rank, None if pv.lora is None else tuple(pv.lora))
         self._refs[version] = self._refs.get(version, 0) + int(hold)
         self._current = version
         self._evict()
@@ -162,10 +163,11 @@ class PosteriorServer:
         in its plan (`version_plan`)."""
         entry = self._get(version)
         return PublishedVersion(entry.learner_step, entry.reason, entry.mean, entry.sigma, entry.mean_checksum,
-                                noise_rank=entry.noise_rank)
+                                noise_rank=entry.noise_rank, lora=entry.lora)
 
     def bytes_of(self, version: int) -> int:
-        """Bytes of mean + σ: what one engine receives per version, whatever the number of slots."""
+        """Bytes of mean + σ (a LoRA version's: the adapters') : what one engine receives per version,
+        whatever the number of slots."""
         entry = self._get(version)
         return sum(a.nbytes for part in (entry.mean, entry.sigma or {}) for a in part.values())
 
@@ -207,7 +209,7 @@ class PosteriorServer:
             "versions": [
                 {"version": v, "mean": e.mean, "sigma": e.sigma, "learner_step": e.learner_step,
                  "reason": e.reason, "mean_checksum": e.mean_checksum, "refcount": self._refs[v],
-                 "noise_rank": e.noise_rank,
+                 "noise_rank": e.noise_rank, "lora": None if e.lora is None else list(e.lora),
                  "plan": _plan_state(e.plan)}
                 for v, e in sorted(self._versions.items())
             ],
@@ -227,7 +229,7 @@ class PosteriorServer:
                 _frozen_fp32(saved["mean"], "state mean"),
                 None if sigma is None else _frozen_fp32(sigma, "state sigma"),
                 _plan_from_state(saved["plan"]), saved["learner_step"], saved["reason"], saved["mean_checksum"],
-                saved.get("noise_rank", 0))
+                saved.get("noise_rank", 0), None if saved.get("lora") is None else tuple(saved["lora"]))
             self._refs[saved["version"]] = saved["refcount"]
         self._current = state["current"]
         if self._versions and self._current not in self._versions:

@@ -66,15 +66,16 @@ class Sampler:
             metrics, [m for m in CATALOGUE if m.name in _METRICS])
 
     def update(self, version: int, mean: Mapping[str, np.ndarray], sigma: Mapping[str, np.ndarray] | None,
-               mean_checksum: str, noise_rank: int = 0) -> None:
+               mean_checksum: str, noise_rank: int = 0, lora: tuple | None = None) -> None:
         """Take posterior version `version` (one transfer of m and σ, whatever the number of slots; its
-        slots' noise of rank `noise_rank` per matrix, 0: full);
+        slots' noise of rank `noise_rank` per matrix, 0: full; `lora` = (r, α): m and σ are a LoRA
+        adapter's, served over the engine's base weights);
         the engine refuses a mean whose checksum is not `mean_checksum` (WeightsMismatch). An older
         version is allowed: the driver re-issues a crashed sampler's requests at the version they
         were admitted with, while the posterior server keeps that version alive."""
         started = time.perf_counter()
         try:
-            self.engine.load_version(version, mean, sigma, mean_checksum, noise_rank)
+            self.engine.load_version(version, mean, sigma, mean_checksum, noise_rank, **({"lora": lora} if lora else {}))
         except WeightsMismatch:
             self._failed_check("mean")
             raise

@@ -150,10 +150,13 @@ class Engine(Protocol):
     """One inference engine serving one version: one (perturbed) policy per `generate` call."""
 
     def load_version(self, version: int, mean: Mapping[str, np.ndarray],
-                     sigma: Mapping[str, np.ndarray] | None, mean_checksum: str, noise_rank: int = 0) -> None:
+                     sigma: Mapping[str, np.ndarray] | None, mean_checksum: str, noise_rank: int = 0,
+                     lora: tuple[int, float] | None = None) -> None:
         """Take version `version`: hold fp32 m and σ (σ None: no noise possible) on the engine's
         device, check the mean against `mean_checksum` (raise WeightsMismatch), serve the mean. Its
-        slots draw z of rank `noise_rank` per matrix (0: full noise; `param_noise.perturbed`)."""
+        slots draw z of rank `noise_rank` per matrix (0: full noise; `param_noise.perturbed`).
+        `lora` = (r, α): m and σ are a LoRA adapter posterior's, served over the base weights the
+        engine loaded (the hf engine; the others raise)."""
 
     def serve(self, noise: NoiseSpec) -> ServeReport:
         """Serve θ̂ = m + c · σ ⊙ z(noise.seed), c = noise.scale (seed None: the mean) of the held

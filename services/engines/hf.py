@@ -23,7 +23,7 @@ from threepo.services.engines.base import (EngineRequest, GeneratedSample, Sampl
                                            WeightsMismatch)
 from threepo.services.engines.decoding import generate, generate_slots
 from threepo.services.engines.lean_decoder import LeanDecoder, WeightLayout
-from threepo.services.engines.slot_bank import SlotBank, write_slot
+from threepo.services.engines.slot_bank import Adapters, SlotBank, write_slot
 from threepo.services.messages import NoiseSpec, SamplingParams
 from threepo.services.modeling import load_model, load_tokenizer, trainable_named_parameters
 
@@ -55,6 +55,9 @@ class HFEngine:
         # (the lean path in fp32)
         self._mean = {n: p.detach() for n, p in self._params.items()}
         self._sigma: dict[str, torch.Tensor] | None = None
+        self._adapters: Adapters | None = None  # a LoRA version's adapters (load_version)
+        self._base: dict[str, torch.Tensor] | None = None  # under LoRA: the weights as loaded, kept once
+        self._pristine = True  # the parameters hold the checkpoint as loaded (no full version taken)
         self.noise_rank = 0  # the held version's (load_version)
         self.version, self.mean_checksum = 0, weight_checks.weights_checksum(self._mean.items())
         self._mean_fingerprint = weight_checks.value_fingerprint(self.model.parameters())
@@ -62,22 +65,57 @@ class HFEngine:
         self.report = self.serve(self._serving)
 
     def load_version(self, version: int, mean: Mapping[str, np.ndarray],
-                     sigma: Mapping[str, np.ndarray] | None, mean_checksum: str, noise_rank: int = 0) -> None:
+                     sigma: Mapping[str, np.ndarray] | None, mean_checksum: str, noise_rank: int = 0,
+                     lora: tuple[int, float] | None = None) -> None:
+        if lora is not None:
+            return self._load_adapters(version, mean, sigma, mean_checksum, noise_rank, lora)
         missing = sorted(set(self._params) - set(mean))
         if missing:
             raise WeightsMismatch(f"posterior version {version}: mean lacks parameters {missing[:5]}")
         received = {n: _tensor(mean[n], self.device) for n in self._params}
-        checksum = weight_checks.weights_checksum(received.items())
-        if checksum != mean_checksum:
-            raise WeightsMismatch(f"engine {self.engine_id}: the mean of version {version} has checksum "
-                                  f"{checksum}, the learner published {mean_checksum}")
+        checksum = self._checked(version, received, mean_checksum)
         with torch.no_grad():
             for n, p in self._params.items():
                 p.copy_(received[n])  # the served weights (on the lean path in fp32: m itself)
         if not (self.lean and self.dtype == torch.float32):
             self._mean = received
+        self._adapters, self._base, self._pristine = None, None, False  # the parameters no longer hold the base
+        self._taken(version, checksum, noise_rank,
+                    None if sigma is None else {n: _tensor(sigma[n], self.device) for n in self._params})
+
+    def _load_adapters(self, version: int, mean: Mapping[str, np.ndarray], sigma: Mapping[str, np.ndarray] | None,
+                       mean_checksum: str, noise_rank: int, lora: tuple[int, float]) -> None:
+        """A LoRA version (`lora` = (r, α)): `mean` and `sigma` are the adapters' alone, served over the
+        base weights this engine loaded (kept once, the first time: the base never travels again)."""
+        received = {n: _tensor(a, self.device) for n, a in mean.items()}
+        checksum = self._checked(version, received, mean_checksum)
+        if self._base is None:
+            if not self._pristine:
+                raise WeightsMismatch(f"engine {self.engine_id}: LoRA version {version} arrived after a full "
+                                      "version: the base weights it adapts are gone")
+            self._base = {n: p.detach().clone() for n, p in self._params.items()}
+        rank, alpha = lora
+        try:
+            adapters = Adapters(self._base, received, None if sigma is None else
+                                {n: _tensor(a, self.device) for n, a in sigma.items()}, alpha / rank)
+        except KeyError as error:
+            raise WeightsMismatch(f"engine {self.engine_id}, version {version}: {error.args[0]}") from None
+        with torch.no_grad():
+            for n, p in self._params.items():
+                p.copy_(adapters.weight(n, None) if n in adapters.pairs else self._base[n])
+        self._adapters, self._mean = adapters, self._base
+        self._taken(version, checksum, noise_rank, None if sigma is None else {})
+
+    def _checked(self, version: int, received: Mapping[str, torch.Tensor], mean_checksum: str) -> str:
+        checksum = weight_checks.weights_checksum(received.items())
+        if checksum != mean_checksum:
+            raise WeightsMismatch(f"engine {self.engine_id}: the mean of version {version} has checksum "
+                                  f"{checksum}, the learner published {mean_checksum}")
+        return checksum
+
+    def _taken(self, version: int, checksum: str, noise_rank: int, sigma: dict | None) -> None:
         self.version, self.mean_checksum, self.noise_rank = version, checksum, noise_rank
-        self._sigma = None if sigma is None else {n: _tensor(sigma[n], self.device) for n in self._params}  # read only
+        self._sigma = sigma  # read only; {} under LoRA: the adapters hold σ
         self._mean_fingerprint = weight_checks.value_fingerprint(self.model.parameters())
         if self.lean:
             self.bank.clear()
@@ -115,13 +153,13 @@ class HFEngine:
         """Without a lean decoder: θ̂ written into the model's parameters (the mean rebuilt from m)."""
         frozen = [p for n, p in self.model.named_parameters() if n not in self._params]
         ratio, fed = write_slot({n: p.data for n, p in self._params.items()}, self._mean, self._sigma or {},
-                                noise.seed, noise.scale, self.noise_rank)
+                                noise.seed, noise.scale, self.noise_rank, self._adapters)
         return ratio, weight_checks.combined_fingerprint([fed, weight_checks.value_fingerprint(frozen)])
 
     def _rows(self, slots: Sequence[NoiseSpec]) -> list[int]:
         """Bank rows of `slots`, built where not resident (lean path)."""
         def build(key, views):
-            return write_slot(views, self._mean_by_layout(), self._sigma or {}, *key, self.noise_rank)
+            return write_slot(views, self._mean_by_layout(), self._sigma or {}, *key, self.noise_rank, self._adapters)
         return self.bank.place([(s.seed, s.scale) for s in slots], build)
 
     def _mean_by_layout(self) -> dict[str, torch.Tensor]:

@@ -102,7 +102,11 @@ class SGLangEngine:
         self.report = ServeReport(0, None, "", True, 1.0, detail="checkpoint as loaded by SGLang")
 
     def load_version(self, version: int, mean: Mapping[str, np.ndarray],
-                     sigma: Mapping[str, np.ndarray] | None, mean_checksum: str, noise_rank: int = 0) -> None:
+                     sigma: Mapping[str, np.ndarray] | None, mean_checksum: str, noise_rank: int = 0,
+                     lora: tuple[int, float] | None = None) -> None:
+        if lora is not None:
+            raise ValueError(f"engine {self.engine_id}: a LoRA adapter posterior (lora.rank with optim.name=ivon) is "
+                             "served by sampler.backend=hf only")
         import torch
 
         path = stage_version(mean, sigma, staging_dir(), f"threepo-sglang-{os.getpid()}-{self.engine_id}-v{version}")

@@ -11,6 +11,9 @@ is overwritten first. A new version empties it.
 The weight check per row: the fingerprint of the values written (θ̂ cast to the served dtype, as
 computed) against the row after writing (`loaded`), and against the row after each call (`holds`).
 
+A LoRA version (`Adapters`) is built into the same rows: each adapted layer's weight W0 + s · B̂ Â
+under the slot's adapter sample, everything else W0.
+
 Not here: drawing z (algorithms/param_noise.py), decoding (lean_decoder.py), sampling (hf.py).
 """
 
@@ -109,19 +112,57 @@ def _fingerprint(row: torch.Tensor) -> tuple[int, int]:
 
 def write_slot(views: Mapping[str, torch.Tensor], mean: Mapping[str, torch.Tensor],
                sigma: Mapping[str, torch.Tensor], seed: int | None, scale: float,
-               rank: int = 0) -> tuple[float, tuple[int, int]]:
+               rank: int = 0, adapters: Adapters | None = None) -> tuple[float, tuple[int, int]]:
     """θ̂ = m + c · σ ⊙ z(seed) (the mean for seed None; z of rank `rank` per matrix when > 0) written
-    into `views` (by name, in their dtype); returns the served-noise ratio and the fingerprint of the
-    values written."""
+    into `views` (by name, in their dtype); a layer `adapters` adapt gets W0 + s · B̂ Â instead, its
+    adapter drawn at (seed, c) (`Adapters.weight`). Returns the served-noise ratio and the
+    fingerprint of the values written."""
     served, intended, parts = 0.0, 0.0, []
     for name, view in views.items():
-        theta = param_noise.perturbed(mean[name], sigma[name], seed, name, scale, rank=rank) if (
-            seed is not None and name in sigma) else mean[name].detach().float()
+        if adapters is not None and name in adapters.pairs:
+            theta = adapters.weight(name, seed, scale, rank)
+            reference = adapters.weight(name, None) if seed is not None else None
+        elif seed is not None and name in sigma:
+            theta = param_noise.perturbed(mean[name], sigma[name], seed, name, scale, rank=rank)
+            reference = mean[name]
+        else:
+            theta, reference = mean[name].detach().float(), None
         cast = theta.to(view.dtype)
         view.copy_(cast)
         parts.append(weight_checks.value_fingerprint([cast]))  # not the tensors: no second copy of θ̂ held
-        if seed is not None and name in sigma and view.dtype != torch.float32:
-            a, b = param_noise.served_noise_ratio(mean[name], theta, view.dtype)
+        if reference is not None and view.dtype != torch.float32:
+            a, b = param_noise.served_noise_ratio(reference, theta, view.dtype)
             served, intended = served + a, intended + b
     ratio = (served / intended) ** 0.5 if intended else 1.0
     return ratio, weight_checks.combined_fingerprint(parts)
+
+
+class Adapters:
+    """A LoRA version as an engine holds it (services/lora.py publishes it): the base weights W0 as
+    the engine loaded them, and the adapter posterior — m and σ of each `<layer>.lora_A.<x>.weight`
+    [r, in] and `<layer>.lora_B.<x>.weight` [out, r] under the learner's names — scaled by s = α / r.
+    The layer `<layer>.weight` is served as W0 + s · B̂ Â (`param_noise.lora_perturbed`)."""
+
+    def __init__(self, base: Mapping[str, torch.Tensor], mean: Mapping[str, torch.Tensor],
+                 sigma: Mapping[str, torch.Tensor] | None, scaling: float) -> None:
+        self.base, self.mean, self.sigma, self.scaling = base, mean, sigma, scaling
+        self.pairs: dict[str, tuple[str, str]] = {}  # layer weight -> (A name, B name)
+        for a_name in mean:
+            if ".lora_A." not in a_name:
+                continue
+            layer = a_name.split(".lora_A.")[0] + ".weight"
+            b_name = a_name.replace(".lora_A.", ".lora_B.")
+            if layer not in base or b_name not in mean:
+                raise KeyError(f"adapter {a_name}: expected the layer {layer} in the model and {b_name} beside it")
+            self.pairs[layer] = (a_name, b_name)
+        unpaired = sorted(set(mean) - {n for pair in self.pairs.values() for n in pair})
+        if unpaired or not self.pairs:
+            raise KeyError(f"a LoRA version's tensors must be lora_A/lora_B pairs of the model's layers; "
+                           f"got {unpaired[:3] or 'none'}")
+
+    def weight(self, layer: str, seed: int | None, scale: float = 1.0, rank: int = 0) -> torch.Tensor:
+        """W0 + s · B̂ Â of `layer` in fp32 (the adapter means for seed None)."""
+        a, b = self.pairs[layer]
+        sigma = self.sigma or {}
+        return param_noise.lora_perturbed(self.base[layer], self.mean[a], sigma.get(a), self.mean[b], sigma.get(b),
+                                          seed, a, b, self.scaling, scale, rank)

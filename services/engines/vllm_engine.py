@@ -84,7 +84,11 @@ class VLLMEngine:
         self.staged: str | None = None  # the staged (m, σ) file workers in other processes map
 
     def load_version(self, version: int, mean: Mapping[str, np.ndarray],
-                     sigma: Mapping[str, np.ndarray] | None, mean_checksum: str, noise_rank: int = 0) -> None:
+                     sigma: Mapping[str, np.ndarray] | None, mean_checksum: str, noise_rank: int = 0,
+                     lora: tuple[int, float] | None = None) -> None:
+        if lora is not None:
+            raise ValueError(f"engine {self.engine_id}: a LoRA adapter posterior (lora.rank with optim.name=ivon) is "
+                             "served by sampler.backend=hf only")
         if self.cfg.tensor_parallel_size > 1:  # workers in other processes: a staged file, by path
             path = stage_version(mean, sigma, staging_dir(), f"threepo-vllm-{os.getpid()}-{self.engine_id}-v{version}")
             args = (version, path, None, mean_checksum, noise_rank)

@@ -305,11 +305,12 @@ class LearnerConfig:
         return self.ranks > 1 or self.deepspeed_stage >= 0
 
 
-def has_drift_process(optim: str, ranks: int, deepspeed_stage: int, device: str) -> bool:
+def has_drift_process(optim: str, ranks: int, deepspeed_stage: int, device: str, lora_rank: int = 0) -> bool:
     """Whether a learner runs the drift diagnostic's forward in a process beside its update when
     `learner.drift_process` asks for it: IVON on one CPU rank without DeepSpeed (on a GPU the
-    process's model copy would cost device memory for a forward that is small there)."""
-    return optim == "ivon" and ranks == 1 and deepspeed_stage < 0 and device == "cpu"
+    process's model copy would cost device memory for a forward that is small there) or LoRA (the
+    process loads the model without adapters)."""
+    return optim == "ivon" and ranks == 1 and deepspeed_stage < 0 and device == "cpu" and not lora_rank
 
 
 def check_learner(learner: LearnerConfig, algo: AlgoConfig, optim: OptimConfig) -> None:

@@ -108,7 +108,7 @@ class Learner:
         # the drift forwards at slot weights in a process beside the update (config.has_drift_process)
         noise = noise or NoiseConfig()
         self.beside = (BesideProcess(model_path, self.named, temperature, self.chunk, bf16, noise.rank) if beside and
-                       has_drift_process(optim.name, self.ranks.world, deepspeed_stage, self.device.type) else None)
+                       has_drift_process(optim.name, self.ranks.world, deepspeed_stage, self.device.type, self.lora.rank) else None)
         self.optimizer = make_optimizer(self.model, self.named, optim, self.ranks, deepspeed_stage, noise, self.lora)
         self.noise = make_noise_control(noise, serves_noise=self.optimizer.variational and algo.exploration != "grpo",
                                         n_slots=algo.n_slots, base_seed=algo.seed, temperature=temperature,
@@ -320,7 +320,7 @@ class Learner:
         checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
         return PublishedVersion(learner_step=self.step_count, reason=reason, mean=mean, sigma=sigma,
                                 mean_checksum=checksum, slots=None if self.slots is None else tuple(self.slots),
-                                noise_rank=self.optimizer.noise_rank)
+                                noise_rank=self.optimizer.noise_rank, lora=self.optimizer.adapter)
 
     def save_pretrained(self, directory: str) -> str:
         """The current policy (IVON's mean: p.data holds m outside sampled points) as an HF checkpoint

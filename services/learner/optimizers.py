@@ -13,11 +13,14 @@ owns its state and answers everything the step asks of an optimizer, whichever i
   (services/learner/zero.py): DeepSpeed reduces, clips and steps its partition.
 - `LoRAAdamW` (adamw with lora.rank > 0): AdamW on the adapters alone (services/lora.py), the base
   frozen; a version publishes the model with the adapters merged, under its own parameter names.
+- `LoRAIVONPosterior` (ivon with lora.rank > 0): IVON's posterior over the adapters alone, the base
+  frozen: slots and gradient points are adapter samples (Â, B̂), and a version publishes the
+  adapters' (m, σ) with `adapter` = (r, α), which the hf engine serves over the base it loaded once.
 
 The interface (what services/learner/core.py calls): `variational`, `at(seed, train, scale, served)`,
 `backward(loss)`, `step()`, `expert_grads()` (what VP2O transforms), `whole()`, `published()`,
 `served_posterior()`, `state()`/`load_state()`, `save_files()`/`load_files()`, `wants(key)`,
-`state_bytes()`, `metrics()`.
+`state_bytes()`, `metrics()`, `adapter` ((r, α) when a version is an adapter posterior, else None).
 """
 
 from __future__ import annotations
@@ -49,9 +52,10 @@ def make_optimizer(model: torch.nn.Module, named: list, optim: OptimConfig, rank
             return ZeroAdamW(model, named, optim, ranks, deepspeed_stage)
         case "adamw", False, True:
             return LoRAAdamW(model, named, optim, ranks, lora)
+        case "ivon", False, True:
+            return LoRAIVONPosterior(named, optim, ranks, noise, lora)
     raise ValueError(f"optim.name={optim.name} with learner.deepspeed_stage={deepspeed_stage} and lora.rank="
-                     f"{lora.rank}: only adamw trains through DeepSpeed, and LoRA adapters train with adamw, "
-                     "without DeepSpeed")
+                     f"{lora.rank}: only adamw trains through DeepSpeed, and LoRA adapters train without it")
 
 
 def _tensor_bytes(tensors) -> int:
@@ -62,6 +66,7 @@ class IVONPosterior:
     """IVON's posterior over this rank's tensors (all of them alone); `ivon` is the torch optimizer."""
 
     variational = True  # gradient points are posterior samples; the drift is measured at slot weights
+    adapter = None  # a version is the whole model's posterior
 
     def __init__(self, named: list, optim: OptimConfig, ranks, noise: NoiseConfig = NoiseConfig()) -> None:
         self.named, self.ranks = named, ranks
@@ -117,9 +122,15 @@ class IVONPosterior:
         """m, h and g_m of this rank's tensors; the metadata names the whole model's parameter order."""
         tensors, meta = self.ivon.export_state()
         meta.update(param_order=[n for n, _ in self.named], shapes={n: list(p.shape) for n, p in self.named})
-        return tensors, {"optim": "ivon", "ivon": meta}
+        lora = self._lora()
+        return tensors, {"optim": "ivon", "ivon": meta, **({"lora": lora} if lora else {})}
+
+    def _lora(self) -> list | None:
+        """What the posterior of `state` is over: None, the model's own weights; [rank, alpha, targets]: adapters."""
+        return None
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        _check_trained(meta.get("lora"), self._lora())
         known = {n for n, _ in self.named}  # names this model lacks stay, for IVON's check
         order = [n for n in meta["ivon"]["param_order"] if n in self.ivon.state or n not in known]
         self.ivon.load_exported_state(tensors, {**meta["ivon"], "param_order": order})
@@ -154,6 +165,7 @@ class AdamW:
 
     variational = False  # gradients at the weights themselves; the drift is update 0's own forward
     noise_rank = 0  # no slot noise
+    adapter = None  # a version is the whole model (LoRAAdamW: with its adapters merged)
 
     def __init__(self, named: list, optim: OptimConfig, ranks) -> None:
         self.named, self.ranks, self.grad_clip = named, ranks, optim.grad_clip
@@ -211,9 +223,7 @@ class AdamW:
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """The weights, and the moments where the checkpoint has them (a ZeroAdamW's has none: fresh)."""
-        if meta.get("lora") != self._lora():
-            raise ValueError(f"the learner checkpoint holds {_trained(meta.get('lora'))}, this run trains "
-                             f"{_trained(self._lora())}: resume with the [lora] settings it was written with")
+        _check_trained(meta.get("lora"), self._lora())
         with torch.no_grad():
             for n, p in self.named:
                 p.copy_(tensors[f"param/{n}"])
@@ -241,6 +251,16 @@ class AdamW:
         return {}
 
 
+def _spec(lora: LoRAConfig) -> list:
+    return [lora.rank, lora.alpha, list(lora.target_modules)]
+
+
+def _check_trained(saved: list | None, here: list | None) -> None:
+    if saved != here:
+        raise ValueError(f"the learner checkpoint holds {_trained(saved)}, this run trains {_trained(here)}: "
+                         "resume with the [lora] settings it was written with")
+
+
 def _trained(lora: list | None) -> str:
     return "every weight" if not lora else f"LoRA adapters (rank {lora[0]}, alpha {lora[1]:g}, on {', '.join(lora[2])})"
 
@@ -259,7 +279,22 @@ class LoRAAdamW(AdamW):
         return {n: t.float().cpu().numpy().copy() for n, t in merged_weights(self.model).items()}, None
 
     def _lora(self) -> list:
-        return [self.lora.rank, self.lora.alpha, list(self.lora.target_modules)]
+        return _spec(self.lora)
+
+
+class LoRAIVONPosterior(IVONPosterior):
+    """IVON's posterior over the LoRA adapters of a model (`named`: its lora_A/lora_B weights), the
+    base frozen (services/lora.py). Everything is IVONPosterior's, over adapter tensors: a slot is
+    the adapter sample Â = m_A + c · σ_A ⊙ z, B̂ likewise, under the noise mask (which matches an
+    adapter by its layer's name); a version publishes the adapters' (m, σ), sized ~2 r (in + out)
+    per adapted layer instead of in · out, with `adapter` = (r, α)."""
+
+    def __init__(self, named: list, optim: OptimConfig, ranks, noise: NoiseConfig, lora: LoRAConfig) -> None:
+        super().__init__(named, optim, ranks, noise)
+        self.lora, self.adapter = lora, (lora.rank, lora.alpha)
+
+    def _lora(self) -> list:
+        return _spec(self.lora)
 
 
 class ZeroAdamW(AdamW):

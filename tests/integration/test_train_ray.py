@@ -21,6 +21,7 @@ import pytest
 from threepo.deploy.commands import make_run_dir
 from threepo.deploy.config import load_config
 from threepo.deploy.run import RunStopped, train
+from threepo.services.modeling import load_model
 
 pytestmark = pytest.mark.ray
 
@@ -57,6 +58,7 @@ ALGORITHMS = {
     "dr_grpo": ["algo.exploration=grpo", "algo.n_slots=1", "algo.advantage=dr_grpo",
                 "algo.loss_agg=seq-mean-token-sum-norm"],
     "grpo_lora": ["algo.exploration=grpo", "algo.n_slots=1", "optim.name=adamw", "optim.lr=1e-3", "lora.rank=4"],
+    "c3po_lora": ["algo.exploration=c3po", "algo.n_slots=4", "lora.rank=4"],
     "b3po": ["algo.exploration=b3po", "algo.n_slots=1"],
     "m3po": ["algo.exploration=m3po", "algo.n_slots=2"],
     "c3po_lampo": ["algo.exploration=c3po", "algo.n_slots=4", "algo.advantage=lampo", "algo.kl_coef=1e-3"],
@@ -76,11 +78,16 @@ def test_a_few_steps_of_each_algorithm(ray_session, tmp_path, tiny_dense_path, n
     assert all(r["completion_tokens"] > 0 and r["loss"] == r["loss"] for r in rows)  # finite
     assert all(0 <= r.get("engine_busy_mean", 0) <= 1 and r["time_window_s"] > 0 for r in rows)
     assert os.path.isfile(os.path.join(summary["final_checkpoint"], "model.safetensors"))
-    if name in ("b3po", "m3po", "c3po_lampo"):
+    if name in ("b3po", "m3po", "c3po_lampo", "c3po_lora"):
         assert rows[-1]["sigma_p50"] > 0  # a posterior with noise served the rollouts
-    if name == "grpo_lora":  # the merged model above, and the adapters as a PEFT adapter directory
+    if name.endswith("_lora"):  # the merged model above, and the adapters as a PEFT adapter directory
         assert {"adapter_config.json", "adapter_model.safetensors"} <= set(
             os.listdir(os.path.join(summary["final_checkpoint"], "adapter")))
+    full_mb = 8 * sum(p.numel() for p in load_model(tiny_dense_path).parameters()) / 2**20  # fp32 m and σ
+    if name == "c3po_lora":  # a version is the adapters' m and σ alone
+        assert 0 < summary["version_mb"] < full_mb / 4
+    elif name in ("b3po", "m3po", "c3po_lampo"):
+        assert summary["version_mb"] == pytest.approx(full_mb, rel=0.01)
 
 
 def _kill_when(run_dir, name, rows_seen, also_restart=True, after=None):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -169,3 +170,178 @@ def test_the_kl_reference_under_lora_is_the_base_model_without_a_second_copy(sam
     result = _step(learner, _groups(sampler, learner, "grpo", 1, 8))  # the penalty's forward runs adapters-off
     assert result.metrics["loss"] == result.metrics["loss"]
     assert any(not torch.equal(p, before[n]) for n, p in learner.named)  # and the adapters still train
+
+
+# ---- IVON over the adapters (optimizers.LoRAIVONPosterior) and engines serving adapter samples ----
+
+IVON_LORA = LoRAConfig(rank=2, alpha=4.0, target_modules=("proj",))
+
+
+class _Projection(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 5, bias=False)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def test_ivon_on_adapters_equals_ivon_on_the_adapter_tensors_of_w0_plus_s_b_a():
+    from threepo.algorithms.ivon import IVON
+    from threepo.algorithms.noise_mask import NoiseConfig
+    from threepo.services.learner.optimizers import LoRAIVONPosterior, make_optimizer
+    from threepo.services.learner.ranks import SingleRank
+
+    torch.manual_seed(0)
+    model = attach(_Projection(), IVON_LORA)
+    named = trainable_named_parameters(model)
+    a_name, b_name = (n for n, _ in named)
+    assert ".lora_A." in a_name and ".lora_B." in b_name
+    hyper = dict(lr=0.05, ess=200.0, hess_init=0.5, beta1=0.9, beta2=0.999, weight_decay=1e-4, clip_radius=1.0)
+    opt = make_optimizer(model, named, OptimConfig(name="ivon", **hyper), SingleRank(), -1,
+                         NoiseConfig(modules="everything"), IVON_LORA)
+    assert isinstance(opt, LoRAIVONPosterior) and opt.adapter == (2, 4.0)
+    # the reference: the adapters as two plain tensors, y = x W0ᵀ + s (x Aᵀ) Bᵀ, trained by IVON itself
+    w0, s = model.proj.base_layer.weight.detach().clone(), IVON_LORA.alpha / IVON_LORA.rank
+    ref = [(n, torch.nn.Parameter(p.detach().clone())) for n, p in named]
+    ref_ivon = IVON(ref, **hyper)
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(16, 5, generator=torch.Generator().manual_seed(2))
+    for step in range(5):
+        for seed in (10 * step, 10 * step + 1):  # two posterior samples per step
+            with opt.at(seed):
+                opt.backward(torch.nn.functional.mse_loss(model(x), y))
+            with ref_ivon.sampled_params(seed):
+                a, b = ref[0][1], ref[1][1]
+                torch.nn.functional.mse_loss(x @ w0.T + s * (x @ a.T) @ b.T, y).backward()
+        opt.step()
+        ref_ivon.step()
+    assert torch.equal(model.proj.base_layer.weight, w0)  # the base frozen
+    for name, _ in named:
+        for kind in ("mean", "hess", "momentum"):
+            torch.testing.assert_close(opt.ivon.state[name][kind], ref_ivon.state[name][kind], atol=1e-6, rtol=1e-5)
+    assert opt.ivon.state[b_name]["mean"].abs().max() > 1e-3  # B left zero: the adapters learned
+
+
+def _ivon_lora_learner(path, lora=LORA):
+    from threepo.algorithms.noise_mask import NoiseConfig
+
+    return Learner(path, AlgoConfig(exploration="c3po", n_slots=2, group_size=8),
+                   OptimConfig(name="ivon", lr=1.0, ess=1e4, hess_init=0.1), SyncConfig(max_staleness=1),
+                   temperature=1.0, max_new_tokens=10, lora=lora, noise=NoiseConfig(target_kl=0.0))
+
+
+def _lora_groups(sampler, learner):
+    """`_groups` for a C3PO learner over adapters: its slots' seeds, the completions drawn from the
+    base model (the adapted model of a fresh learner: B = 0), synthetic rewards."""
+    import dataclasses
+    import types
+
+    base = {n: p.detach().numpy() for n, p in sampler[0].named_parameters()}
+    pv = dataclasses.replace(learner.published(), mean=base, sigma=None, lora=None)
+    return _groups(sampler, types.SimpleNamespace(published=lambda: pv), "c3po", 2, 8)
+
+
+def test_an_adapter_posterior_version_is_adapter_sized_and_the_engine_serves_the_learners_slot(sampler, tiny_dense_path):
+    from threepo.services.engines.base import SamplerConfig
+    from threepo.services.engines.hf import HFEngine
+    from threepo.services.messages import NoiseSpec
+
+    learner = _ivon_lora_learner(tiny_dense_path)
+    _step(learner, _lora_groups(sampler, learner))
+    pv = learner.published()
+    adapters = {n for n, _ in learner.named}
+    assert pv.lora == (LORA.rank, LORA.alpha) and set(pv.mean) == adapters == set(pv.sigma)
+    full = sum(p.numel() for _, p in load_model(tiny_dense_path).named_parameters())
+    assert sum(a.size for a in pv.mean.values()) < full / 4  # the adapters alone travel
+    engine = HFEngine(tiny_dense_path, SamplerConfig(batch_size=8, seed=3))
+    engine.load_version(1, pv.mean, pv.sigma, pv.mean_checksum, pv.noise_rank, lora=pv.lora)
+    ids = torch.randint(3, 60, (2, 7), generator=torch.Generator().manual_seed(8))
+    model = learner.model.eval()
+    for seed, scale in ((None, 1.0), (7, 1.0), (7, 2.5), (8, 1.0)):
+        report = engine.serve(NoiseSpec(1, seed=seed, scale=scale))
+        assert report.loaded_ok and engine.verify()
+        served = load_model(tiny_dense_path).eval()
+        with torch.no_grad():
+            for n, p in served.named_parameters():
+                p.copy_(engine.served()[n])
+            got = served(input_ids=ids).logits
+            if seed is None:
+                want = model(input_ids=ids).logits
+            else:
+                with learner.optimizer.at(seed, train=False, scale=scale, served=True):
+                    want = model(input_ids=ids).logits
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        if seed == 7 and scale == 1.0:
+            slot7 = got
+    assert not torch.allclose(slot7, got, atol=1e-4)  # slots 7 and 8 are different policies
+
+
+def test_adapter_slots_decoded_together_sample_as_each_served_alone(sampler, tiny_dense_path):
+    import numpy as np
+
+    from threepo.services.engines.base import EngineRequest, SamplerConfig
+    from threepo.services.engines.hf import HFEngine
+    from threepo.services.messages import NoiseSpec, SamplingParams
+
+    learner = _ivon_lora_learner(tiny_dense_path)
+    _nudge_adapters(learner.model, seed=9)  # B ≠ 0 so the slots differ in both factors
+    for n, p in learner.named:
+        learner.optimizer.ivon.state[n]["mean"].copy_(p.detach())
+    pv = learner.published()
+    engine = HFEngine(tiny_dense_path, SamplerConfig(batch_size=8, seed=3))
+    engine.load_version(2, pv.mean, pv.sigma, pv.mean_checksum, lora=pv.lora)
+    params = SamplingParams(max_new_tokens=8)
+    groups = [(NoiseSpec(2, seed=s, scale=c), [EngineRequest((5, 6, 7), 2, seed=s or 40)])
+              for s, c in ((31, 1.0), (32, 1.0), (33, 3.0), (None, 1.0))]
+    together = engine.generate_slots(groups, params)
+    for (noise, requests), (report, unchanged, samples) in zip(groups, together):
+        assert report == engine.serve(noise) and report.loaded_ok and unchanged
+        alone = engine.generate(requests, params)
+        assert [[s.token_ids for s in r] for r in samples] == [[s.token_ids for s in r] for r in alone]
+        for got, want in zip(samples, alone):
+            np.testing.assert_allclose([s.logprobs for s in got], [s.logprobs for s in want], atol=1e-5)
+    assert together[0][2][0][0].logprobs != together[1][2][0][0].logprobs
+
+
+def test_the_adapter_weight_check_refuses_a_changed_adapter_and_a_lora_version_after_a_full_one(sampler,
+                                                                                                 tiny_dense_path):
+    from threepo.services.engines.base import SamplerConfig, WeightsMismatch
+    from threepo.services.engines.hf import HFEngine
+    from threepo.services.messages import NoiseSpec
+
+    pv = _ivon_lora_learner(tiny_dense_path).published()
+    engine = HFEngine(tiny_dense_path, SamplerConfig(batch_size=8, seed=3))
+    changed = {n: a.copy() for n, a in pv.mean.items()}
+    next(a for n, a in changed.items() if ".lora_A." in n)[0, 0] += 1e-3
+    with pytest.raises(WeightsMismatch, match="checksum"):
+        engine.load_version(1, changed, pv.sigma, pv.mean_checksum, lora=pv.lora)
+    from threepo.algorithms import weight_checks
+
+    stray = {**pv.mean, "model.layers.0.mlp.nonesuch.lora_A.default.weight": np.zeros((4, 8), np.float32)}
+    with pytest.raises(WeightsMismatch, match="nonesuch"):
+        engine.load_version(1, stray, None, weight_checks.weights_checksum(
+            (n, torch.from_numpy(a)) for n, a in stray.items()), lora=pv.lora)
+    engine.load_version(1, pv.mean, pv.sigma, pv.mean_checksum, lora=pv.lora)
+    engine.serve(NoiseSpec(1, seed=4))
+    row = engine.bank.place([(4, 1.0)], lambda *_: pytest.fail("slot 4 is resident"))[0]
+    with torch.no_grad():
+        engine.bank.rows[row, 11] += 1e-3  # a stray write into the served adapter slot's weights
+    assert not engine.verify()
+    full = {n: p.detach().numpy().copy() for n, p in engine._params.items()}
+    engine.load_version(2, full, None, weight_checks.weights_checksum((n, torch.from_numpy(a)) for n, a in full.items()))
+    with pytest.raises(WeightsMismatch, match="after a full version"):
+        engine.load_version(3, pv.mean, pv.sigma, pv.mean_checksum, lora=pv.lora)
+
+
+def test_an_adapter_posterior_checkpoint_resumes_and_refuses_other_lora_settings(sampler, tiny_dense_path):
+    a = _ivon_lora_learner(tiny_dense_path)
+    groups = _lora_groups(sampler, a)
+    _step(a, groups)
+    tensors, meta = a.state()
+    assert meta["lora"] == [LORA.rank, LORA.alpha, list(LORA.target_modules)]
+    b = _ivon_lora_learner(tiny_dense_path)
+    b.load_state({k: v.clone() for k, v in tensors.items()}, meta)
+    assert a.published().mean_checksum == b.published().mean_checksum
+    with pytest.raises(ValueError, match="holds LoRA adapters .* this run trains every weight"):
+        _ivon_lora_learner(tiny_dense_path, LoRAConfig()).load_state(tensors, meta)
