@@ -35,6 +35,8 @@ checkpoints under results/exploration_study/.
     python3 benchmarks/exploration_study.py --quick    # smoke: a few minutes on 2 cores
     python3 benchmarks/exploration_study.py            # full: 5 seeds x 2 tasks x 7 arms + MoE (hours)
     python3 benchmarks/exploration_study.py --tasks smollm2 --arms grpo c3po --moe-arms --seeds 3   # ~2 h
+    python3 benchmarks/exploration_study.py --tasks smollm2 --arms grpo grpo_lora c3po_lora --moe-arms \
+        --seeds 1 --resume   # LoRA (issue 26) beside the runs above
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ ARMS = {  # name -> (recipe, overrides)
     "m3po": (None, ["algo.exploration=m3po", "algo.n_slots=4"]),
     "c3po": (None, []),
     "c3po_dead": (None, []),  # + algo.dead_group_scale (--dead-scale)
+    "grpo_lora": ("grpo_baseline", ["lora.rank=8"]),  # issue 26: rank-8 adapters, AdamW
+    "c3po_lora": (None, ["lora.rank=8"]),  # an IVON posterior over rank-8 adapters
 }
 TASKS = {"arith": None, "countdown_hard": "countdown_hard", "smollm2": None}  # name -> task recipe
 # The real-model task: SmolLM2-135M-Instruct on word problems (benchmarks/real_model.py's learning part:
@@ -71,8 +75,12 @@ REAL_SIZES = ["data.format=gsm8k", "sampler.temperature=0.7", "learner.bf16=true
 # (optim.ess = 1e7; the served noise is set by the noise control either way), α = 100 and ξ = 2e-7, so
 # the clip binds wherever |g_m| > 2e-8 and a step is a momentum-sign step of α ξ = 2e-5; its prior
 # precision δ scaled down with lr (1e-8), so that the pull towards zero stays ≤ the default's.
+# LoRA arms: adapters at 10x the full model's step (the usual LoRA learning rate; B starts at zero),
+# AdamW lr 2e-4 and IVON's sign-like step α ξ = 2e-4.
 REAL_ARMS = {"grpo": ["optim.lr=2e-5"],
-             "c3po": ["optim.ess=1e7", "optim.lr=1000", "optim.clip_radius=2e-7", "optim.weight_decay=1e-8"]}
+             "c3po": ["optim.ess=1e7", "optim.lr=1000", "optim.clip_radius=2e-7", "optim.weight_decay=1e-8"],
+             "grpo_lora": ["optim.lr=2e-4"],
+             "c3po_lora": ["optim.ess=1e7", "optim.lr=1000", "optim.clip_radius=2e-6", "optim.weight_decay=1e-8"]}
 DIFFICULTIES = {"arith": (1, 2, 3), "countdown": (1, 2)}
 MOE_ARMS = {"grpo_moe": ("grpo_baseline", ["model.kind=moe"]), "c3po_moe": (None, ["model.kind=moe"]),
             "vp2o": ("vp2o_moe", [])}
@@ -404,7 +412,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("--arms", nargs="+", default=[a for a in ARMS if not a.endswith("_lora")], choices=list(ARMS))
     p.add_argument("--moe-arms", nargs="*", default=list(MOE_ARMS), choices=list(MOE_ARMS))
     p.add_argument("--moe-seeds", type=int, default=5, help="seeds of the MoE part (the first N of --seeds)")
     p.add_argument("--readmit", type=float, default=0.25, help="algo.readmit_fraction of every arm")

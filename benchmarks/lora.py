@@ -1,5 +1,8 @@
-"""LoRA against full fine-tuning in the learner (issue 26): peak memory, step time, optimizer state
-and the bytes a version ships, for AdamW on every weight and AdamW on LoRA adapters of rank 8 and 1.
+"""LoRA against full fine-tuning (issue 26). The learner: peak memory, step time, optimizer state and
+the bytes a version ships, for AdamW and IVON on every weight and on LoRA adapters of rank 8 and 1.
+The hf engine (`--engine`): a C3PO call's rows sampled under 4 posterior samples against under 1, for a
+full-weight posterior (each slot a perturbed copy of the model, decoded together from the slot bank)
+and a rank-8 adapter posterior (the base shared, each slot's adapter term beside it).
 
 Each arm runs in a fresh process (so that its peak RSS is its own): a `Learner` (services/learner/
 core.py, as the learner actor builds it; GRPO, AdamW) on the same step's inputs, `--steps` timed steps
@@ -13,6 +16,13 @@ model (bf16 autocast, as benchmarks/real_model.py trains it); '' the embedded de
     python3 benchmarks/lora.py --model smollm2          # SmolLM2-135M-Instruct (a few minutes)
     python3 benchmarks/lora.py                          # the embedded default
     python3 benchmarks/lora.py --quick --model tiny     # smoke
+    python3 benchmarks/lora.py --engine --model smollm2 # the engine part alone
+
+The engine part: one engine (1 thread, `--rows` rows per call, max_new_tokens 16, T 1, the default
+task's prompts), each call's rows split over S = 1 or 4 slots of the held version (`generate_slots`);
+time per generated token, after a warm-up call, over `--seconds`; the ratio S=4 ÷ S=1 per version kind.
+The slots keep their seeds across calls, as a version's do in a run: full-weight slots are built into
+the bank once (the warm-up), adapter samples are stacked at every call (adapter-sized work).
 """
 
 from __future__ import annotations
@@ -24,10 +34,11 @@ import time
 
 import _common
 
-ARMS = {"full": 0, "lora r8": 8, "lora r1": 1}
+ARMS = {"full": ("adamw", 0), "lora r8": ("adamw", 8), "lora r1": ("adamw", 1),
+        "ivon full": ("ivon", 0), "ivon lora r8": ("ivon", 8), "ivon lora r1": ("ivon", 1)}
 
 
-def one_arm(model: str, overrides: list[str], rank: int, steps: int, bf16: bool, out) -> None:
+def one_arm(model: str, overrides: list[str], arm: tuple, steps: int, bf16: bool, out) -> None:
     """In a fresh process: the figures of one arm, put on `out`."""
     import resource
 
@@ -39,12 +50,13 @@ def one_arm(model: str, overrides: list[str], rank: int, steps: int, bf16: bool,
     from threepo.services.lora import LoRAConfig
 
     torch.set_num_threads(1)
-    cfg = _common.config(model, ["optim.name=adamw", "algo.exploration=grpo", "algo.n_slots=1", *overrides])
+    optim, rank = arm
+    cfg = _common.config(model, [f"optim.name={optim}", "algo.exploration=grpo", "algo.n_slots=1", *overrides])
     inputs = step_inputs(model, cfg)
     learner = Learner(model, cfg.algo, cfg.optim, cfg.sync, temperature=cfg.sampler.temperature,
                       max_new_tokens=cfg.sampler.max_new_tokens, bf16=bf16, lora=LoRAConfig(rank=rank))
     learner.published("start")
-    learner.step(*inputs)  # warm-up: AdamW's moments exist after it
+    learner.step(*inputs)  # warm-up: the optimizer's moments exist after it
     times, publish, nbytes = [], [], 0
     for _ in range(steps):
         times.append(learner.step(*inputs).metrics["step_time_s"])
@@ -58,10 +70,73 @@ def one_arm(model: str, overrides: list[str], rank: int, steps: int, bf16: bool,
              "version_mb": nbytes / 2 ** 20, "step_s_all": times})
 
 
+def engine_arm(model: str, rank: int, dtype: str, rows: int, seconds: float, out) -> None:
+    """In a fresh process: seconds per generated token of calls of `rows` rows under 1 and 4 slots of
+    a full-weight posterior (rank 0) or a rank-`rank` adapter posterior (σ 1e-3 everywhere), put on `out`."""
+    import numpy as np
+    import torch
+
+    from threepo.algorithms.weight_checks import weights_checksum
+    from threepo.services.engines.base import SamplerConfig
+    from threepo.services.engines.hf import HFEngine
+    from threepo.services.lora import LoRAConfig, attach
+    from threepo.services.messages import NoiseSpec, SamplingParams
+    from threepo.services.modeling import load_model, trainable_named_parameters
+
+    torch.set_num_threads(1)
+    engine = HFEngine(model, SamplerConfig(threads=1, batch_size=rows, max_new_tokens=16), dtype=dtype)
+    if rank:
+        adapted = attach(load_model(model), LoRAConfig(rank=rank))
+        gen = torch.Generator().manual_seed(0)
+        mean = {n: (p.detach() if ".lora_A." in n else torch.randn(p.shape, generator=gen) * 1e-3).numpy().copy()
+                for n, p in trainable_named_parameters(adapted)}
+    else:
+        mean = {n: p.detach().float().numpy().copy() for n, p in engine._params.items()}
+    sigma = {n: np.full(a.shape, 1e-3, dtype=np.float32) for n, a in mean.items()}
+    checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
+    engine.load_version(1, mean, sigma, checksum, **({"lora": (rank, 16.0)} if rank else {}))
+    prompts = _common.encoded_requests(engine.tokenizer, [it.prompt for it in _common.task_prompts(rows)])
+    params = SamplingParams(temperature=1.0, max_new_tokens=16)
+    figures = {}
+    for slots in (1, 4, 1, 4):  # twice each, interleaved: the second round is kept (the first warms up)
+        per = rows // slots
+        tokens, calls, start = 0, 0, time.perf_counter()
+        while True:
+            groups = [(NoiseSpec(1, seed=100 + s), prompts[s * per:(s + 1) * per]) for s in range(slots)]
+            out_ = engine.generate_slots(groups, params)
+            tokens += sum(len(x.token_ids) for _, _, g in out_ for r in g for x in r)
+            calls += 1
+            if time.perf_counter() - start >= seconds:
+                break
+        figures[slots] = {"s_per_token": (time.perf_counter() - start) / tokens, "tokens": tokens, "calls": calls}
+    out.put({"version_mb": sum(a.nbytes for part in (mean, sigma) for a in part.values()) / 2 ** 20,
+             "slots": figures, "ratio": figures[4]["s_per_token"] / figures[1]["s_per_token"]})
+
+
+def engine_part(model: str, dtype: str, rows: int, seconds: float, quick: bool) -> dict:
+    ctx, figures = mp.get_context("spawn"), {}
+    for label, rank in (("full-weight posterior", 0), ("adapter posterior r8", 8)):
+        out = ctx.Queue()
+        proc = ctx.Process(target=engine_arm, args=(model, rank, dtype, rows, seconds, out))
+        proc.start()
+        figures[label] = out.get()
+        proc.join()
+        print(f"{label}: {figures[label]}", flush=True)
+    rows_ = [[label, f"{f['version_mb']:,.2f}", f"{1e3 * f['slots'][1]['s_per_token']:.2f}",
+              f"{1e3 * f['slots'][4]['s_per_token']:.2f}", f"{f['ratio']:.2f}"] for label, f in figures.items()]
+    _common.table(f"hf engine, a call of {rows} rows under S posterior samples ({os.path.basename(model.rstrip('/'))}, "
+                  f"{dtype}, 1 thread, max_new_tokens 16, T 1)",
+                  ["version", "version MiB", "ms/token S=1", "ms/token S=4", "S=4 ÷ S=1"], rows_)
+    return figures
+
+
 def main() -> None:
     p = _common.parser(__doc__)
     p.add_argument("--steps", type=int, default=3, help="timed steps per arm (after one warm-up step)")
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("--engine", action="store_true", help="the engine part alone")
+    p.add_argument("--rows", type=int, default=32, help="rows per engine call (the engine part)")
+    p.add_argument("--seconds", type=float, default=20.0, help="measuring time per engine configuration")
     args = p.parse_args()
     sizes = ["runtime.prompts_per_step=4", "algo.group_size=8", "sampler.max_new_tokens=64"]
     if args.quick:
@@ -72,6 +147,12 @@ def main() -> None:
 
         args.model = smollm2_checkpoint(os.environ.get("THREEPO_CACHE") or os.path.expanduser("~/.cache/threepo"))
     model = _common.model_path(args)
+    if args.engine:
+        figures = engine_part(model, "bfloat16" if real else "float32", args.rows, 2.0 if args.quick else args.seconds,
+                              args.quick)
+        _common.write_results(f"lora_engine_{'smollm2' if real else 'embedded'}",
+                              {"model": model, "figures": figures, "args": vars(args)})
+        return
     overrides = [*sizes, *args.overrides]
     ctx, figures = mp.get_context("spawn"), {}
     for arm in args.arms:
@@ -86,7 +167,7 @@ def main() -> None:
              f"{f['publish_s']:.3f}", f"{f['version_mb']:,.1f}",
              f"{f['step_s'] / full['step_s']:.2f}" if full else "-",
              f"{f['peak_rss_mb'] / full['peak_rss_mb']:.2f}" if full else "-"] for arm, f in figures.items()]
-    _common.table(f"Learner, AdamW, full vs LoRA ({os.path.basename(model.rstrip('/'))}; "
+    _common.table(f"Learner, AdamW and IVON, full vs LoRA ({os.path.basename(model.rstrip('/'))}; "
                   f"{' '.join(sizes)}; median of {args.steps} steps, 1 thread{', bf16 autocast' if real else ''})",
                   ["arm", "trainable", "step s", "peak RSS MiB", "optimizer state MiB", "publish s", "version MiB",
                    "step ÷ full", "RSS ÷ full"], rows)

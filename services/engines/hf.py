@@ -8,6 +8,12 @@ there, and `generate_slots` decodes a call's several slots in shared forward pas
 its own slot. A prompt repeated under one slot (a request's n samples) is prefilled once. On other
 architectures (the MoE model of VP2O, for one) a slot is written into the model's parameters in
 place and decoded with transformers' forward, one slot at a time.
+
+A LoRA version (`load_version(..., lora=(r, α))`: the adapters' m and σ alone) is served over the
+base weights the engine loaded, kept once as a weight set of their own: on the lean path each slot
+is its adapter sample stacked beside the shared base (`Adapters.slot_terms`; no weight set per
+slot), a call's slots decoded together and a single slot the same way; on the other path a slot's
+merged weights W0 + s · B̂ Â are written into the parameters.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ class HFEngine:
         self._adapters: Adapters | None = None  # a LoRA version's adapters (load_version)
         self._base: dict[str, torch.Tensor] | None = None  # under LoRA: the weights as loaded, kept once
         self._pristine = True  # the parameters hold the checkpoint as loaded (no full version taken)
+        self._terms = None  # on the lean path under LoRA: the served slot's (adapter terms, fingerprint)
         self.noise_rank = 0  # the held version's (load_version)
         self.version, self.mean_checksum = 0, weight_checks.weights_checksum(self._mean.items())
         self._mean_fingerprint = weight_checks.value_fingerprint(self.model.parameters())
@@ -93,7 +100,12 @@ class HFEngine:
             if not self._pristine:
                 raise WeightsMismatch(f"engine {self.engine_id}: LoRA version {version} arrived after a full "
                                       "version: the base weights it adapts are gone")
-            self._base = {n: p.detach().clone() for n, p in self._params.items()}
+            if self.lean:  # the base as a weight set of its own: adapter slots decode over it
+                self._base_set = self._mean_set.clone()
+                self._base = self.layout.views(self._base_set[0])
+                self._base_fingerprint = self._base_now()
+            else:
+                self._base = {n: p.detach().clone() for n, p in self._params.items()}
         rank, alpha = lora
         try:
             adapters = Adapters(self._base, received, None if sigma is None else
@@ -124,7 +136,11 @@ class HFEngine:
     def serve(self, noise: NoiseSpec) -> ServeReport:
         self._check_slot(noise)
         self._serving = noise
-        if noise.seed is None:
+        if self._adapter_slots:
+            terms, fed, ratios = self._adapters.slot_terms([(noise.seed, noise.scale)], self.dtype, self.noise_rank)
+            self._terms = (terms, fed[0])
+            ok, ratio = self.verify(), ratios[0]
+        elif noise.seed is None:
             if not self.lean:
                 self._write_model(noise)
             ok, ratio = self.verify(), 1.0
@@ -156,6 +172,18 @@ class HFEngine:
                                 noise.seed, noise.scale, self.noise_rank, self._adapters)
         return ratio, weight_checks.combined_fingerprint([fed, weight_checks.value_fingerprint(frozen)])
 
+    @property
+    def _adapter_slots(self) -> bool:
+        """Are slots adapter samples decoded over the shared base set (a LoRA version, lean path)?"""
+        return self.lean and self._adapters is not None
+
+    def _base_now(self) -> tuple[int, int]:
+        """The base set's fingerprint now (in pieces: the int32 working copies stay small)."""
+        return weight_checks.value_fingerprint(self._base_set[0].split(1 << 22))
+
+    def _adapter_decoder(self, terms: dict) -> LeanDecoder:
+        return LeanDecoder(self.model, self.layout, self._base_set, terms, self._adapters.scaling)
+
     def _rows(self, slots: Sequence[NoiseSpec]) -> list[int]:
         """Bank rows of `slots`, built where not resident (lean path)."""
         def build(key, views):
@@ -178,6 +206,8 @@ class HFEngine:
                              "decode several slots together; serve and generate them one at a time")
         for noise, _ in groups:
             self._check_slot(noise)
+        if self._adapter_slots:
+            return self._generate_adapter_slots(groups, params)
         checks: dict[int, tuple[bool, bool, float]] = {}  # group -> (loaded, unchanged, ratio)
 
         def decoder(indices: tuple[int, ...]) -> LeanDecoder:
@@ -197,6 +227,30 @@ class HFEngine:
         return [(ServeReport(self.version, noise.seed, self.mean_checksum, checks[i][0], checks[i][2],
                              scale=noise.scale), checks[i][1], samples[i]) for i, (noise, _) in enumerate(groups)]
 
+    def _generate_adapter_slots(self, groups, params: SamplingParams) -> list:
+        """`generate_slots` for a LoRA version: each pass's slots are adapter samples stacked over the
+        base set (no weight set per slot, so no bank bounds the slots of a pass)."""
+        checks: dict[int, tuple[bool, bool, float]] = {}
+
+        def decoder(indices: tuple[int, ...]) -> LeanDecoder:
+            terms, fed, ratios = self._adapters.slot_terms([(groups[i][0].seed, groups[i][0].scale) for i in indices],
+                                                           self.dtype, self.noise_rank)
+            decoder.built = (terms, fed, ratios)
+            for i, stacked, want, ratio in zip(indices, self._adapters.held(terms), fed, ratios):
+                checks[i] = (stacked == want, True, ratio)
+            return self._adapter_decoder(terms)
+
+        def after(indices: tuple[int, ...]) -> None:
+            terms, fed, _ = decoder.built
+            base_ok = self._base_now() == self._base_fingerprint
+            for i, now, want in zip(indices, self._adapters.held(terms), fed):
+                checks[i] = (checks[i][0], base_ok and now == want, checks[i][2])
+
+        samples = generate_slots(self.model, self.tokenizer, [r for _, r in groups], decoder, params,
+                                 batch_size=self.cfg.batch_size, max_slots=len(groups), after=after)
+        return [(ServeReport(self.version, noise.seed, self.mean_checksum, checks[i][0], checks[i][2],
+                             scale=noise.scale), checks[i][1], samples[i]) for i, (noise, _) in enumerate(groups)]
+
     @property
     def slots_together(self) -> bool:
         """Can `generate_slots` decode several slots in shared passes (the lean decoder applies)?"""
@@ -204,19 +258,31 @@ class HFEngine:
 
     def generate(self, requests: Sequence[EngineRequest], params: SamplingParams) -> list[list[GeneratedSample]]:
         lean = None
-        if self.lean:
+        if self._adapter_slots:
+            lean = self._adapter_decoder(self._terms[0])
+        elif self.lean:
             served = self._mean_set if self._serving.seed is None else self.bank.sets(self._rows([self._serving]))
             lean = LeanDecoder(self.model, self.layout, served)
         return generate(self.model, self.tokenizer, requests, params, batch_size=self.cfg.batch_size, lean=lean)
 
     def served(self) -> dict[str, torch.Tensor]:
-        """The weights decoded with now, by parameter name (views: read, do not write)."""
+        """The weights decoded with now, by parameter name (views: read, do not write; under a LoRA
+        version on the lean path, the merged W0 + s · B̂ Â of the served slot, built for the asking)."""
+        if self._adapter_slots:
+            a = self._adapters
+            noise = self._serving
+            return {n: a.weight(n, noise.seed, noise.scale, self.noise_rank).to(self.dtype) if n in a.pairs else a.base[n]
+                    for n in self._params}
         if self.lean and self._serving.seed is not None:
             return self.layout.views(self.bank.rows[self._rows([self._serving])[0]])
         return {n: p.detach() for n, p in self.model.named_parameters()}
 
     def verify(self) -> bool:
         """The served weights against the fingerprint of what was written for them."""
+        if self._adapter_slots:
+            terms, fed = self._terms
+            return (self._adapters.held(terms) == [fed]
+                    and self._base_now() == self._base_fingerprint)
         if self._serving.seed is None:
             return weight_checks.value_fingerprint(self.model.parameters()) == self._mean_fingerprint
         if self.lean:

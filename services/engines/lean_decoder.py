@@ -17,6 +17,11 @@ sample θ̂_s each) decodes S equal groups of rows in one pass, rows [s·b, (s+1
 matmul one batched matmul over the S sets' views — nothing is copied to stack them. A C3PO call
 that samples several slots therefore decodes them in one batch instead of one batch per slot.
 
+Slots that are LoRA adapter samples (services/engines/slot_bank.py `Adapters`) share one base set
+instead: `adapters[name] = (Â [S, r, in], B̂ [S, out, r])` per adapted weight, and each projection is
+W0 x, one matmul over all S·b rows, plus s · B̂_s Â_s x for set s's rows (two small batched matmuls;
+Hu et al. 2021, eq. 3) — the base is read once per step whatever S is.
+
 Not here: sampling, slots and weight checks (engines/hf.py, engines/slot_bank.py).
 """
 
@@ -107,11 +112,18 @@ class LeanDecoder:
     """Prefill and one-token decode steps of `model` under the weight sets `sets` [S, numel] laid out
     by `layout` (see the module docstring); `model` gives the architecture and the rotary module."""
 
-    def __init__(self, model, layout: WeightLayout, sets: torch.Tensor) -> None:
+    def __init__(self, model, layout: WeightLayout, sets: torch.Tensor, adapters: dict | None = None,
+                 scaling: float = 1.0) -> None:
         cfg = model.config
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.eps, self.n_slots, self.device = cfg.rms_norm_eps, sets.shape[0], sets.device
+        self.shared, self.scaling = adapters is not None, scaling  # one base set, S adapter samples
+        if adapters is not None:
+            if sets.shape[0] != 1 or not adapters:
+                raise ValueError(f"adapter slots decode over one base set and at least one adapter, got "
+                                 f"{sets.shape[0]} sets and {len(adapters)} adapters")
+            self.n_slots = next(iter(adapters.values()))[0].shape[0]
         self.window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
         rotary = model.model.rotary_emb
         self.inv_freq = rotary.inv_freq.float().to(sets.device)
@@ -122,6 +134,18 @@ class LeanDecoder:
         self.lm_head = v("lm_head.weight") if "lm_head.weight" in layout.spans else self.embed
         self.final_norm = vec("model.norm.weight")
         self.layers = []
+        q_out = self.heads * self.head_dim
+        kv_out = self.kv_heads * self.head_dim
+        inter = cfg.intermediate_size
+
+        def terms(*members):  # [(start, end, Â, B̂)] of the adapted members of one (fused) projection
+            out, at = [], 0
+            for name, width in members:
+                if adapters and name in adapters:
+                    out.append((at, at + width, *adapters[name]))
+                at += width
+            return out
+
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
@@ -133,7 +157,11 @@ class LeanDecoder:
                 o_w=v(a + "o_proj.weight"), o_b=vec(a + "o_proj.bias"),
                 gate_up_w=layout.fused_view(sets, f"{i}.gate_up_w"),
                 gate_up_b=layout.fused_view(sets, f"{i}.gate_up_b") if f"{i}.gate_up_b" in layout.fused else None,
-                down_w=v(m + "down_proj.weight"), down_b=vec(m + "down_proj.bias")))
+                down_w=v(m + "down_proj.weight"), down_b=vec(m + "down_proj.bias"),
+                qkv_lora=terms((a + "q_proj.weight", q_out), (a + "k_proj.weight", kv_out), (a + "v_proj.weight", kv_out)),
+                o_lora=terms((a + "o_proj.weight", cfg.hidden_size)),
+                gate_up_lora=terms((m + "gate_proj.weight", inter), (m + "up_proj.weight", inter)),
+                down_lora=terms((m + "down_proj.weight", cfg.hidden_size))))
         self.split = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -151,10 +179,20 @@ class LeanDecoder:
         half = x.shape[-1] // 2
         return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
-    @staticmethod
-    def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [S, R, in] through each set's w [S, out, in] (and bias [S, 1, out])."""
-        return torch.bmm(x, w.mT) if bias is None else torch.baddbmm(bias, x, w.mT)
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                lora: list = ()) -> torch.Tensor:
+        """x [S, R, in] through each set's w [S, out, in] (and bias [S, 1, out]); over one shared set
+        (w [1, out, in]) one matmul for all S·R rows, plus each slot's adapter term s · (x Âᵀ) B̂ᵀ on the
+        output columns [start, end) it adapts (`lora`)."""
+        if w.shape[0] == x.shape[0]:
+            y = torch.bmm(x, w.mT) if bias is None else torch.baddbmm(bias, x, w.mT)
+        else:
+            s_n, rows, _ = x.shape
+            y = torch.nn.functional.linear(x.reshape(s_n * rows, -1), w[0], None if bias is None else bias[0, 0])
+            y = y.view(s_n, rows, -1)
+        for start, end, a, b in lora:
+            y[..., start:end].add_(torch.bmm(torch.bmm(x, a.mT), b.mT), alpha=self.scaling)
+        return y
 
     def new_cache(self, batch: int, length: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (batch, self.kv_heads, length, self.head_dim)
@@ -185,14 +223,15 @@ class LeanDecoder:
         if rows % s_n:
             raise ValueError(f"{rows} rows cannot be split evenly over {s_n} weight sets")
         b = rows // s_n
-        set_of_row = torch.arange(s_n, device=tokens.device).repeat_interleave(b)
+        set_of_row = torch.arange(1 if self.shared else s_n, device=tokens.device).repeat_interleave(
+            b * (s_n if self.shared else 1))
         x = self.embed[set_of_row[:, None], tokens].reshape(s_n, b * t, -1)
         cos, sin = self._rope(positions, x.dtype)
         end = start + t
         allowed = self._allowed(key_mask, start, t)
         for w, (k_cache, v_cache) in zip(self.layers, cache):
             h = self._norm(x, w["in_norm"])
-            q, k, v = self._linear(h, w["qkv_w"], w["qkv_b"]).split(self.split, dim=-1)
+            q, k, v = self._linear(h, w["qkv_w"], w["qkv_b"], w["qkv_lora"]).split(self.split, dim=-1)
             q = q.reshape(rows, t, self.heads, -1)
             k = k.reshape(rows, t, self.kv_heads, -1)
             if w["q_norm"] is not None:  # Qwen3: RMSNorm over each head, before rotary
@@ -203,8 +242,9 @@ class LeanDecoder:
             k_cache[:, :, start:end], v_cache[:, :, start:end] = k, v
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=allowed, enable_gqa=self.heads != self.kv_heads)
-            x = x + self._linear(out.transpose(1, 2).reshape(s_n, b * t, -1), w["o_w"], w["o_b"])
-            gate, up = self._linear(self._norm(x, w["post_norm"]), w["gate_up_w"], w["gate_up_b"]).chunk(2, dim=-1)
-            x = x + self._linear(torch.nn.functional.silu(gate) * up, w["down_w"], w["down_b"])
+            x = x + self._linear(out.transpose(1, 2).reshape(s_n, b * t, -1), w["o_w"], w["o_b"], w["o_lora"])
+            gate, up = self._linear(self._norm(x, w["post_norm"]), w["gate_up_w"], w["gate_up_b"],
+                                    w["gate_up_lora"]).chunk(2, dim=-1)
+            x = x + self._linear(torch.nn.functional.silu(gate) * up, w["down_w"], w["down_b"], w["down_lora"])
         last = self._norm(x.reshape(s_n, b, t, -1)[:, :, -1], self.final_norm)
         return self._linear(last, self.lm_head).reshape(rows, -1)

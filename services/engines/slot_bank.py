@@ -11,8 +11,10 @@ is overwritten first. A new version empties it.
 The weight check per row: the fingerprint of the values written (θ̂ cast to the served dtype, as
 computed) against the row after writing (`loaded`), and against the row after each call (`holds`).
 
-A LoRA version (`Adapters`) is built into the same rows: each adapted layer's weight W0 + s · B̂ Â
-under the slot's adapter sample, everything else W0.
+A LoRA version (`Adapters`) is decoded over the base set with each slot's adapter sample stacked
+beside it (`Adapters.slot_terms`, adapter-sized: no weight set per slot); its merged weights W0 + s ·
+B̂ Â (`Adapters.weight`) are what a slot serves on the engine's other path (transformers' forward) and
+what `served` reports.
 
 Not here: drawing z (algorithms/param_noise.py), decoding (lean_decoder.py), sampling (hf.py).
 """
@@ -159,6 +161,39 @@ class Adapters:
         if unpaired or not self.pairs:
             raise KeyError(f"a LoRA version's tensors must be lora_A/lora_B pairs of the model's layers; "
                            f"got {unpaired[:3] or 'none'}")
+
+    def slot_terms(self, keys: Sequence[Key], dtype: torch.dtype, rank: int = 0
+                   ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[tuple[int, int]], list[float]]:
+        """The adapter samples of slots `keys` ((seed, c) each; seed None: the means) stacked for a
+        decoder over the shared base (lean_decoder.py): {layer: (Â [S, r, in], B̂ [S, out, r])} in
+        `dtype`; each slot's fingerprint of the values written; each slot's served-noise ratio of its
+        adapter factors in `dtype` (1 for the means)."""
+        sigma = self.sigma or {}
+        built: dict[str, list] = {}
+        fed, ratios = [], []
+        for seed, scale in keys:
+            parts, served, intended = [], 0.0, 0.0
+            for layer, names in self.pairs.items():
+                for name in names:
+                    noisy = seed is not None and name in sigma
+                    value = param_noise.perturbed(self.mean[name], sigma[name], seed, name, scale, rank=rank) if (
+                        noisy) else self.mean[name].float()
+                    cast = value.to(dtype)
+                    built.setdefault(name, []).append(cast)
+                    parts.append(weight_checks.value_fingerprint([cast]))
+                    if noisy and dtype != torch.float32:
+                        a, b = param_noise.served_noise_ratio(self.mean[name], value, dtype)
+                        served, intended = served + a, intended + b
+            fed.append(weight_checks.combined_fingerprint(parts))
+            ratios.append((served / intended) ** 0.5 if intended else 1.0)
+        terms = {layer: (torch.stack(built[a]), torch.stack(built[b])) for layer, (a, b) in self.pairs.items()}
+        return terms, fed, ratios
+
+    def held(self, terms: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[int, int]]:
+        """Each slot's fingerprint of the adapter values `terms` hold now (as `slot_terms` computed them)."""
+        n_slots = next(iter(terms.values()))[0].shape[0]
+        return [weight_checks.combined_fingerprint([weight_checks.value_fingerprint([t[s]]) for layer in self.pairs
+                                                    for t in terms[layer]]) for s in range(n_slots)]
 
     def weight(self, layer: str, seed: int | None, scale: float = 1.0, rank: int = 0) -> torch.Tensor:
         """W0 + s · B̂ Â of `layer` in fp32 (the adapter means for seed None)."""

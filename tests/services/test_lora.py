@@ -5,6 +5,7 @@ and a checkpoint resumes only with the adapters it was written with."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -243,9 +244,9 @@ def _lora_groups(sampler, learner):
 
 
 def test_an_adapter_posterior_version_is_adapter_sized_and_the_engine_serves_the_learners_slot(sampler, tiny_dense_path):
-    from threepo.services.engines.base import SamplerConfig
+    from threepo.services.engines.base import EngineRequest, SamplerConfig
     from threepo.services.engines.hf import HFEngine
-    from threepo.services.messages import NoiseSpec
+    from threepo.services.messages import NoiseSpec, SamplingParams
 
     learner = _ivon_lora_learner(tiny_dense_path)
     _step(learner, _lora_groups(sampler, learner))
@@ -272,6 +273,14 @@ def test_an_adapter_posterior_version_is_adapter_sized_and_the_engine_serves_the
                 with learner.optimizer.at(seed, train=False, scale=scale, served=True):
                     want = model(input_ids=ids).logits
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # what the engine decodes (the base shared, the slot's adapter term beside it) is that policy too
+        sample = engine.generate([EngineRequest((5, 6, 7), 1, seed=3)], SamplingParams(max_new_tokens=6))[0][0]
+        full = torch.tensor([[5, 6, 7, *sample.token_ids]])
+        with torch.no_grad(), (learner.optimizer.at(seed, train=False, scale=scale, served=True) if seed is not None
+                               else contextlib.nullcontext()):
+            logp = torch.log_softmax(model(input_ids=full).logits[0, 2:-1], -1)
+        want_lp = logp.gather(1, full[0, 3:, None])[:, 0]
+        np.testing.assert_allclose(sample.logprobs, want_lp.numpy(), atol=1e-4)
         if seed == 7 and scale == 1.0:
             slot7 = got
     assert not torch.allclose(slot7, got, atol=1e-4)  # slots 7 and 8 are different policies
@@ -306,9 +315,9 @@ def test_adapter_slots_decoded_together_sample_as_each_served_alone(sampler, tin
 
 def test_the_adapter_weight_check_refuses_a_changed_adapter_and_a_lora_version_after_a_full_one(sampler,
                                                                                                  tiny_dense_path):
-    from threepo.services.engines.base import SamplerConfig, WeightsMismatch
+    from threepo.services.engines.base import EngineRequest, SamplerConfig, WeightsMismatch
     from threepo.services.engines.hf import HFEngine
-    from threepo.services.messages import NoiseSpec
+    from threepo.services.messages import NoiseSpec, SamplingParams
 
     pv = _ivon_lora_learner(tiny_dense_path).published()
     engine = HFEngine(tiny_dense_path, SamplerConfig(batch_size=8, seed=3))
@@ -323,11 +332,19 @@ def test_the_adapter_weight_check_refuses_a_changed_adapter_and_a_lora_version_a
         engine.load_version(1, stray, None, weight_checks.weights_checksum(
             (n, torch.from_numpy(a)) for n, a in stray.items()), lora=pv.lora)
     engine.load_version(1, pv.mean, pv.sigma, pv.mean_checksum, lora=pv.lora)
-    engine.serve(NoiseSpec(1, seed=4))
-    row = engine.bank.place([(4, 1.0)], lambda *_: pytest.fail("slot 4 is resident"))[0]
+    assert engine.serve(NoiseSpec(1, seed=4)).loaded_ok and engine.verify()
     with torch.no_grad():
-        engine.bank.rows[row, 11] += 1e-3  # a stray write into the served adapter slot's weights
+        next(iter(engine._terms[0].values()))[0][0, 0, 0] += 1e-3  # a stray write into the served adapter sample
     assert not engine.verify()
+    assert engine.serve(NoiseSpec(1, seed=4)).loaded_ok and engine.verify()  # serving builds it afresh
+    with torch.no_grad():
+        engine._base_set[0, 11] += 1e-3  # a stray write into the base the slots share
+    assert not engine.verify()
+    (report, unchanged, _), = engine.generate_slots([(NoiseSpec(1, seed=5), [EngineRequest((5, 6), 1, seed=1)])],
+                                                    SamplingParams(max_new_tokens=2))
+    assert report.loaded_ok and not unchanged
+    with torch.no_grad():
+        engine._base_set[0, 11] -= 1e-3
     full = {n: p.detach().numpy().copy() for n, p in engine._params.items()}
     engine.load_version(2, full, None, weight_checks.weights_checksum((n, torch.from_numpy(a)) for n, a in full.items()))
     with pytest.raises(WeightsMismatch, match="after a full version"):
