@@ -162,16 +162,19 @@ def main() -> None:
         figures[arm] = out.get()
         proc.join()
         print(f"{arm}: {figures[arm]}", flush=True)
-    full = figures.get("full")
-    rows = [[arm, f"{f['trainable']:,}", f"{f['step_s']:.2f}", f"{f['peak_rss_mb']:,.0f}", f"{f['state_mb']:,.1f}",
-             f"{f['publish_s']:.3f}", f"{f['version_mb']:,.1f}",
-             f"{f['step_s'] / full['step_s']:.2f}" if full else "-",
-             f"{f['peak_rss_mb'] / full['peak_rss_mb']:.2f}" if full else "-"] for arm, f in figures.items()]
+    rows = []
+    for arm, f in figures.items():
+        full = figures.get("ivon full" if arm.startswith("ivon") else "full")  # the same optimizer on every weight
+        rows.append([arm, f"{f['trainable']:,}", f"{f['step_s']:.2f}", f"{f['peak_rss_mb']:,.0f}", f"{f['state_mb']:,.1f}",
+                     f"{f['publish_s']:.3f}", f"{f['version_mb']:,.1f}",
+                     f"{f['step_s'] / full['step_s']:.2f}" if full else "-",
+                     f"{f['peak_rss_mb'] / full['peak_rss_mb']:.2f}" if full else "-"])
     _common.table(f"Learner, AdamW and IVON, full vs LoRA ({os.path.basename(model.rstrip('/'))}; "
                   f"{' '.join(sizes)}; median of {args.steps} steps, 1 thread{', bf16 autocast' if real else ''})",
                   ["arm", "trainable", "step s", "peak RSS MiB", "optimizer state MiB", "publish s", "version MiB",
                    "step ÷ full", "RSS ÷ full"], rows)
-    _common.write_results("lora_quick" if args.quick else f"lora_{'smollm2' if real else 'embedded'}",
+    ivon = "_ivon" if all(a.startswith("ivon") for a in args.arms) else ""
+    _common.write_results(f"lora_{'smollm2' if real else 'embedded'}{ivon}",
                           {"model": model, "overrides": overrides, "figures": figures})
 
 
