@@ -298,6 +298,7 @@ def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str,
                   deepspeed_stage=cfg.learner.deepspeed_stage, shared_prefix=cfg.learner.shared_prefix,
                   activation_mb=cfg.learner.activation_mb, gradient_checkpointing=cfg.learner.gradient_checkpointing,
                   bf16=cfg.learner.bf16, noise=cfg.noise, noise_prompts=noise_prompts(cfg, policy_path), lora=cfg.lora,
+                  adapter_versions=cfg.sampler.backend == "hf",  # engines that serve adapters over their base
                   beside=(cores or CorePlacement(cfg)).drift_process, checkpoint=checkpoint, rollout_log=log)
     if cfg.learner.grouped:  # R ranks behind the same methods (deploy/learner_group.py)
         from threepo.deploy.learner_group import start_learner_group

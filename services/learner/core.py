@@ -83,7 +83,7 @@ class Learner:
                  deepspeed_stage: int = -1, shared_prefix: bool = True, beside: bool = False,
                  activation_mb: int = 0, gradient_checkpointing: bool = False, bf16: bool = False,
                  noise: NoiseConfig | None = None, noise_prompts: list[list[int]] | None = None,
-                 lora: LoRAConfig | None = None) -> None:
+                 lora: LoRAConfig | None = None, adapter_versions: bool = False) -> None:
         torch.set_num_threads(threads)
         # a confident policy's softmax underflows into denormals, which made CPU steps ~1.8x slower
         torch.set_flush_denormal(True)
@@ -109,7 +109,8 @@ class Learner:
         noise = noise or NoiseConfig()
         self.beside = (BesideProcess(model_path, self.named, temperature, self.chunk, bf16, noise.rank) if beside and
                        has_drift_process(optim.name, self.ranks.world, deepspeed_stage, self.device.type, self.lora.rank) else None)
-        self.optimizer = make_optimizer(self.model, self.named, optim, self.ranks, deepspeed_stage, noise, self.lora)
+        self.optimizer = make_optimizer(self.model, self.named, optim, self.ranks, deepspeed_stage, noise, self.lora,
+                                        adapter_versions)
         self.noise = make_noise_control(noise, serves_noise=self.optimizer.variational and algo.exploration != "grpo",
                                         n_slots=algo.n_slots, base_seed=algo.seed, temperature=temperature,
                                         prompts=noise_prompts, device=self.device)

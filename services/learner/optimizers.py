@@ -12,7 +12,8 @@ owns its state and answers everything the step asks of an optimizer, whichever i
 - `ZeroAdamW` (adamw with learner.deepspeed_stage ≥ 0): AdamW placed by DeepSpeed at a ZeRO stage
   (services/learner/zero.py): DeepSpeed reduces, clips and steps its partition.
 - `LoRAAdamW` (adamw with lora.rank > 0): AdamW on the adapters alone (services/lora.py), the base
-  frozen; a version publishes the model with the adapters merged, under its own parameter names.
+  frozen; a version publishes the adapters alone with `adapter` = (r, α) where the engines serve
+  adapters (the hf engine), else the model with the adapters merged, under its own parameter names.
 - `LoRAIVONPosterior` (ivon with lora.rank > 0): IVON's posterior over the adapters alone, the base
   frozen: slots and gradient points are adapter samples (Â, B̂), and a version publishes the
   adapters' (m, σ) with `adapter` = (r, α), which the hf engine serves over the base it loaded once.
@@ -39,10 +40,11 @@ _IVON_KINDS = ("mean", "hess", "momentum")
 
 
 def make_optimizer(model: torch.nn.Module, named: list, optim: OptimConfig, ranks, deepspeed_stage: int,
-                   noise: NoiseConfig = NoiseConfig(), lora: LoRAConfig = LoRAConfig()):
+                   noise: NoiseConfig = NoiseConfig(), lora: LoRAConfig = LoRAConfig(), adapter_versions: bool = False):
     """The optimizer object of `optim.name`, placed on `ranks` (DeepSpeed at `deepspeed_stage` ≥ 0);
     a posterior serves noise on the weights `noise` selects; `lora.rank` > 0: `named` are the adapters
-    of `model` (services/lora.py)."""
+    of `model` (services/lora.py), and AdamW's versions are the adapters alone where
+    `adapter_versions` (the engines serve adapters over their base: the hf engine), else the merged model."""
     match optim.name, deepspeed_stage >= 0, lora.rank > 0:
         case "ivon", False, False:
             return IVONPosterior(named, optim, ranks, noise)
@@ -51,7 +53,7 @@ def make_optimizer(model: torch.nn.Module, named: list, optim: OptimConfig, rank
         case "adamw", True, False:
             return ZeroAdamW(model, named, optim, ranks, deepspeed_stage)
         case "adamw", False, True:
-            return LoRAAdamW(model, named, optim, ranks, lora)
+            return LoRAAdamW(model, named, optim, ranks, lora, adapter_versions)
         case "ivon", False, True:
             return LoRAIVONPosterior(named, optim, ranks, noise, lora)
     raise ValueError(f"optim.name={optim.name} with learner.deepspeed_stage={deepspeed_stage} and lora.rank="
@@ -165,7 +167,7 @@ class AdamW:
 
     variational = False  # gradients at the weights themselves; the drift is update 0's own forward
     noise_rank = 0  # no slot noise
-    adapter = None  # a version is the whole model (LoRAAdamW: with its adapters merged)
+    adapter = None  # a version is the whole model
 
     def __init__(self, named: list, optim: OptimConfig, ranks) -> None:
         self.named, self.ranks, self.grad_clip = named, ranks, optim.grad_clip
@@ -266,17 +268,23 @@ def _trained(lora: list | None) -> str:
 
 
 class LoRAAdamW(AdamW):
-    """AdamW on the LoRA adapters of `model` (`named`), the base frozen (services/lora.py)."""
+    """AdamW on the LoRA adapters of `model` (`named`), the base frozen (services/lora.py). A version
+    is the adapters alone with `adapter` = (r, α) when `adapter_versions` (engines that serve
+    adapters over the base they loaded), else the model with the adapters merged."""
 
-    def __init__(self, model: torch.nn.Module, named: list, optim: OptimConfig, ranks, lora: LoRAConfig) -> None:
+    def __init__(self, model: torch.nn.Module, named: list, optim: OptimConfig, ranks, lora: LoRAConfig,
+                 adapter_versions: bool = False) -> None:
         self.model, self.lora = model, lora
+        self.adapter = (lora.rank, lora.alpha) if adapter_versions else None
         super().__init__(named, optim, ranks)
 
     def published(self) -> tuple[dict, None] | None:
-        """(the model with its adapters merged, as fp32 numpy under its own names, no σ) on rank 0."""
+        """(the adapters, or the model with its adapters merged under its own names, as fp32 numpy;
+        no σ) on rank 0."""
         if not self.ranks.first:
             return None
-        return {n: t.float().cpu().numpy().copy() for n, t in merged_weights(self.model).items()}, None
+        weights = {n: p.detach() for n, p in self.named} if self.adapter else merged_weights(self.model)
+        return {n: t.float().cpu().numpy().copy() for n, t in weights.items()}, None
 
     def _lora(self) -> list:
         return _spec(self.lora)

@@ -84,7 +84,7 @@ def test_a_few_steps_of_each_algorithm(ray_session, tmp_path, tiny_dense_path, n
         assert {"adapter_config.json", "adapter_model.safetensors"} <= set(
             os.listdir(os.path.join(summary["final_checkpoint"], "adapter")))
     full_mb = 8 * sum(p.numel() for p in load_model(tiny_dense_path).parameters()) / 2**20  # fp32 m and σ
-    if name == "c3po_lora":  # a version is the adapters' m and σ alone
+    if name.endswith("_lora"):  # a version is the adapters alone (C3PO: their m and σ), which hf engines serve
         assert 0 < summary["version_mb"] < full_mb / 4
     elif name in ("b3po", "m3po", "c3po_lampo"):
         assert summary["version_mb"] == pytest.approx(full_mb, rel=0.01)

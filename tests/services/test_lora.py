@@ -362,3 +362,28 @@ def test_an_adapter_posterior_checkpoint_resumes_and_refuses_other_lora_settings
     assert a.published().mean_checksum == b.published().mean_checksum
     with pytest.raises(ValueError, match="holds LoRA adapters .* this run trains every weight"):
         _ivon_lora_learner(tiny_dense_path, LoRAConfig()).load_state(tensors, meta)
+
+
+def test_adamw_adapter_versions_ship_the_adapters_alone_and_the_hf_engine_serves_the_merged_policy(sampler,
+                                                                                                  tiny_dense_path):
+    from threepo.services.engines.base import EngineRequest, SamplerConfig
+    from threepo.services.engines.hf import HFEngine
+    from threepo.services.messages import SamplingParams
+
+    learner = Learner(tiny_dense_path, AlgoConfig(exploration="grpo", n_slots=1, group_size=8),
+                      OptimConfig(name="adamw", lr=1e-2, weight_decay=0.0), SyncConfig(max_staleness=1),
+                      temperature=1.0, max_new_tokens=10, lora=LORA, adapter_versions=True)
+    _step(learner, _groups(sampler, _lora_learner(tiny_dense_path), "grpo", 1, 8))
+    pv = learner.published()
+    assert pv.lora == (LORA.rank, LORA.alpha) and pv.sigma is None
+    assert list(pv.mean) == [n for n, _ in learner.named]  # the adapters alone
+    engine = HFEngine(tiny_dense_path, SamplerConfig(batch_size=8, seed=3))
+    engine.load_version(1, pv.mean, None, pv.mean_checksum, lora=pv.lora)
+    merged = merged_weights(learner.model)
+    for n, t in engine.served().items():
+        torch.testing.assert_close(t, merged[n], atol=1e-6, rtol=1e-6)
+    sample = engine.generate([EngineRequest((5, 6, 7), 1, seed=3)], SamplingParams(max_new_tokens=6))[0][0]
+    full = torch.tensor([[5, 6, 7, *sample.token_ids]])
+    with torch.no_grad():
+        logp = torch.log_softmax(learner.model.eval()(input_ids=full).logits[0, 2:-1], -1)
+    np.testing.assert_allclose(sample.logprobs, logp.gather(1, full[0, 3:, None])[:, 0].numpy(), atol=1e-4)
