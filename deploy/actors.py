@@ -37,13 +37,14 @@ ACTOR_ENV = {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PAR
 class SamplerActor:
     """One engine behind the Sampler service; `incarnation` changes when Ray restarts the actor."""
 
-    def __init__(self, model_path: str, cfg: SamplerConfig, engine_id: int, dtype: str, prompt: PromptConfig) -> None:
+    def __init__(self, model_path: str, cfg: SamplerConfig, engine_id: int, dtype: str, prompt: PromptConfig,
+                 adapters: tuple[int, int] | None = None) -> None:
         from threepo.deploy.metrics import RayMetrics
         from threepo.services.prompting import PromptEncoder
         from threepo.services.sampler import Sampler
 
         self.incarnation = uuid.uuid4().hex[:8]
-        self.sampler = Sampler(make_engine(model_path, cfg, engine_id, dtype), engine_id, cfg,
+        self.sampler = Sampler(make_engine(model_path, cfg, engine_id, dtype, adapters), engine_id, cfg,
                                PromptEncoder.from_path(model_path, prompt), metrics=RayMetrics(),
                                incarnation=self.incarnation)
 
@@ -90,8 +91,11 @@ def role_memory(roles: Roles) -> dict[str, float]:
     return {role: round(mb, 1) for role, mb in out.items()}
 
 
-def make_engine(model_path: str, cfg: SamplerConfig, engine_id: int, dtype: str):
-    """The engine of `sampler.backend`; vLLM and SGLang are imported only here, inside the actor."""
+def make_engine(model_path: str, cfg: SamplerConfig, engine_id: int, dtype: str,
+                adapters: tuple[int, int] | None = None):
+    """The engine of `sampler.backend`; vLLM and SGLang are imported only here, inside the actor.
+    `adapters` = (rank, slots): the run's versions are LoRA adapters (vLLM starts its LoRA serving;
+    the hf engine serves them as they come)."""
     match cfg.backend:
         case "hf":
             from threepo.services.engines.hf import HFEngine
@@ -100,7 +104,7 @@ def make_engine(model_path: str, cfg: SamplerConfig, engine_id: int, dtype: str)
         case "vllm":
             from threepo.services.engines.vllm_engine import VLLMEngine
 
-            return VLLMEngine(model_path, cfg, engine_id=engine_id, dtype=dtype)
+            return VLLMEngine(model_path, cfg, engine_id=engine_id, dtype=dtype, adapters=adapters)
         case "sglang":
             from threepo.services.engines.sglang_engine import SGLangEngine
 
@@ -274,8 +278,15 @@ def start_sampler(cfg: RunConfig, policy_path: str, run_dir: str, index: int):
                    name=f"{os.path.basename(os.path.abspath(run_dir))}-sampler-{index}")
     if elastic:
         options["resources"] = {rt.sampler_resource: 1}
+    adapters = (cfg.lora.rank, cfg.algo.n_slots) if cfg.lora.rank and adapter_versions(cfg) else None
     return ray.remote(SamplerActor).options(**options).remote(policy_path, cfg.sampler, index, cfg.model.dtype,
-                                                              cfg.prompt)
+                                                              cfg.prompt, adapters)
+
+
+def adapter_versions(cfg: RunConfig) -> bool:
+    """Do this run's engines take LoRA versions as adapters over the base they loaded (hf, vLLM),
+    rather than merged full models (SGLang)? IVON over adapters needs it (the config checks)."""
+    return cfg.sampler.backend in ("hf", "vllm")
 
 
 def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str | None,
@@ -298,7 +309,7 @@ def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str,
                   deepspeed_stage=cfg.learner.deepspeed_stage, shared_prefix=cfg.learner.shared_prefix,
                   activation_mb=cfg.learner.activation_mb, gradient_checkpointing=cfg.learner.gradient_checkpointing,
                   bf16=cfg.learner.bf16, noise=cfg.noise, noise_prompts=noise_prompts(cfg, policy_path), lora=cfg.lora,
-                  adapter_versions=cfg.sampler.backend == "hf",  # engines that serve adapters over their base
+                  adapter_versions=adapter_versions(cfg),  # engines that serve adapters over their base
                   beside=(cores or CorePlacement(cfg)).drift_process, checkpoint=checkpoint, rollout_log=log)
     if cfg.learner.grouped:  # R ranks behind the same methods (deploy/learner_group.py)
         from threepo.deploy.learner_group import start_learner_group

@@ -60,10 +60,10 @@ def check_lora(lora: LoRAConfig, algo: AlgoConfig, optim: OptimConfig, learner: 
     """Reject what LoRA training (`lora.rank` > 0, services/lora.py) does not do yet, naming the keys to change."""
     if not lora.rank:
         return
-    if optim.name == "ivon" and sampler_backend != "hf":
+    if optim.name == "ivon" and sampler_backend not in ("hf", "vllm"):
         raise ValueError(f"lora.rank={lora.rank} with optim.name=ivon publishes adapter posteriors, which "
-                         f"sampler.backend=hf serves (vLLM's and SGLang's LoRA paths are not wired yet): set "
-                         f"sampler.backend=hf, or train the adapters with --config grpo_baseline")
+                         f"sampler.backend=hf or vllm serves (SGLang's LoRA path is not wired yet): set "
+                         f"sampler.backend=hf or vllm, or train the adapters with --config grpo_baseline")
     for bad, fix in ((learner.deepspeed_stage >= 0, "learner.deepspeed_stage=-1"), (learner.ranks > 1, "learner.ranks=1"),
                      (algo.vp2o, "algo.vp2o=false")):
         if bad:
@@ -135,12 +135,17 @@ def _merged(model, LoraLayer) -> dict:
 
 def save_adapter(model: torch.nn.Module, cfg: LoRAConfig, directory: str, base_path: str) -> str:
     """The adapters as a PEFT adapter directory on the base model at `base_path`."""
-    from peft import get_peft_model_state_dict
+    return write_adapter({n: p for n, p in model.named_parameters() if ".lora_" in n}, cfg, directory, base_path)
+
+
+def write_adapter(tensors: dict, cfg: LoRAConfig, directory: str, base_path: str) -> str:
+    """`tensors` (lora_A/lora_B weights under the learner's names, `<layer>.lora_A.default.weight`) as
+    a PEFT adapter directory on the base model at `base_path`: what `peft.PeftModel.from_pretrained`
+    and vLLM's LoRA loader read (names `base_model.model.<layer>.lora_A.weight`)."""
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
-    state = get_peft_model_state_dict(model, adapter_name=_ADAPTER)
-    save_file({_PEFT_PREFIX + k: v.detach().contiguous() for k, v in state.items()},
-              os.path.join(directory, "adapter_model.safetensors"))
+    state = {_PEFT_PREFIX + n.replace(f".{_ADAPTER}.", "."): t.detach().float().contiguous() for n, t in tensors.items()}
+    save_file(state, os.path.join(directory, "adapter_model.safetensors"))
     _peft_config(cfg, os.path.abspath(base_path)).save_pretrained(directory)
     return directory

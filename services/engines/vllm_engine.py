@@ -20,6 +20,13 @@ parameter per node, 4 per rank at TP 2) and none holds m or σ on its device (en
 `held_bytes` reports it). (vLLM's RL weight-transfer API over NCCL/IPC is not used: it loads what it
 receives as the served weights, while threepo must hand the workers m and σ and build θ̂ there.)
 
+A LoRA version (`[lora]` rank > 0; the engine started with `adapters` = (rank, slots), which turns
+on vLLM's LoRA serving: `enable_lora`, `max_lora_rank` the smallest allowed rank ≥ r, `max_loras` the
+slots) never touches the base vLLM loaded: each slot is its adapter sample, written as a PEFT adapter
+directory (`LoRAVersion`) and named per request by a `LoRARequest`, and `generate_slots` samples a
+call's slots in one `generate` whose prompts each carry their slot's adapter (vLLM's multi-LoRA
+batching: the base matmuls shared, each adapter's term added by its punica kernels).
+
 Checked against the pinned 0.33.0 wheel: `LLM(...)`'s arguments are EngineArgs fields there,
 `logprobs_mode="processed_logprobs"` exists, `top_k=0` disables top-k, `TokensPrompt` carries
 `cache_salt` to the renderer, `Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`
@@ -66,17 +73,27 @@ def configure_environment(cfg: SamplerConfig) -> None:
 class VLLMEngine:
     """Serves one policy of a local HF checkpoint with vLLM; see the module docstring."""
 
-    def __init__(self, model_path: str, cfg: SamplerConfig, *, engine_id: int = 0, dtype: str = "float32"):
+    def __init__(self, model_path: str, cfg: SamplerConfig, *, engine_id: int = 0, dtype: str = "float32",
+                 adapters: tuple[int, int] | None = None):
+        """`adapters` = (rank, slots): serve LoRA versions (`load_version(..., lora=...)`) through vLLM's
+        multi-LoRA path, up to `slots` adapters of that rank resident at once."""
         configure_environment(cfg)
         from vllm import LLM
 
-        self.cfg, self.engine_id = cfg, engine_id
+        self.cfg, self.engine_id, self.model_path = cfg, engine_id, model_path
         self.dtype = dtype if cfg.dtype == "auto" else cfg.dtype
+        lora = {} if adapters is None else dict(
+            enable_lora=True, max_lora_rank=min(r for r in _LORA_RANKS if r >= adapters[0]),
+            max_loras=adapters[1], max_cpu_loras=2 * adapters[1])  # this version's slots and the last one's
         self.llm = LLM(model=model_path, dtype=self.dtype, seed=cfg.seed, enforce_eager=cfg.enforce_eager,
                        logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
                        gpu_memory_utilization=cfg.gpu_memory_utilization,
                        tensor_parallel_size=cfg.tensor_parallel_size, max_num_seqs=cfg.batch_size,
-                       max_model_len=cfg.max_model_len or None, enable_prefix_caching=True)
+                       max_model_len=cfg.max_model_len or None, enable_prefix_caching=True, **lora)
+        self.adapters = adapters
+        self._lora: LoRAVersion | None = None  # the held LoRA version (load_version with lora)
+        if adapters is not None:  # the base is never reloaded: its fingerprint as loaded is the check
+            self.llm.collective_rpc("threepo_hold_base")
         self.tokenizer = self.llm.get_tokenizer()
         self.version, self.mean_checksum = 0, ""
         self.report = ServeReport(0, None, "", True, 1.0, detail="checkpoint as loaded by vLLM")
@@ -87,8 +104,10 @@ class VLLMEngine:
                      sigma: Mapping[str, np.ndarray] | None, mean_checksum: str, noise_rank: int = 0,
                      lora: tuple[int, float] | None = None) -> None:
         if lora is not None:
-            raise ValueError(f"engine {self.engine_id}: a LoRA adapter posterior (lora.rank with optim.name=ivon) is "
-                             "served by sampler.backend=hf only")
+            return self._load_lora(version, mean, sigma, mean_checksum, noise_rank, lora)
+        if self._lora is not None:
+            raise WeightsMismatch(f"engine {self.engine_id}: a full version after LoRA versions: this engine "
+                                  "serves the base it loaded with adapters")
         if self.cfg.tensor_parallel_size > 1:  # workers in other processes: a staged file, by path
             path = stage_version(mean, sigma, staging_dir(), f"threepo-vllm-{os.getpid()}-{self.engine_id}-v{version}")
             args = (version, path, None, mean_checksum, noise_rank)
@@ -110,10 +129,39 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self.report = ServeReport(version, None, mean_checksum, self.verify(), 1.0)
 
+    def _load_lora(self, version: int, mean: Mapping[str, np.ndarray], sigma: Mapping[str, np.ndarray] | None,
+                   mean_checksum: str, noise_rank: int, lora: tuple[int, float]) -> None:
+        """A LoRA version: the adapters' m and σ, kept here (adapter-sized); each slot is written as a
+        PEFT adapter directory that vLLM loads beside the base it never reloads."""
+        import torch
+
+        from threepo.algorithms.weight_checks import weights_checksum
+
+        if self.adapters is None:
+            raise ValueError(f"engine {self.engine_id}: a LoRA version reached a vLLM engine started without "
+                             "LoRA serving (the sampler starts it with [lora] rank > 0)")
+        if lora[0] > self.adapters[0]:
+            raise ValueError(f"engine {self.engine_id}: LoRA rank {lora[0]} > the rank it was started for ({self.adapters[0]})")
+        held = {n: torch.from_numpy(np.asarray(a, dtype=np.float32)) for n, a in mean.items()}
+        checksum = weights_checksum(held.items())
+        if checksum != mean_checksum:
+            raise WeightsMismatch(f"engine {self.engine_id}: the mean of version {version} has checksum "
+                                  f"{checksum}, the learner published {mean_checksum}")
+        previous = self._lora
+        self._lora = LoRAVersion(version, held, None if sigma is None else {
+            n: torch.from_numpy(np.asarray(a, dtype=np.float32)) for n, a in sigma.items()}, lora, noise_rank,
+            self.model_path, f"threepo-vllm-lora-{os.getpid()}-{self.engine_id}-v{version}", previous, self.dtype)
+        self.version, self.mean_checksum = version, mean_checksum
+        self.report = self.serve(NoiseSpec(posterior_version=version, seed=None))
+
     def serve(self, noise: NoiseSpec) -> ServeReport:
         if noise.posterior_version != self.version or not self.mean_checksum:
             raise ValueError(f"engine {self.engine_id} holds version {self.version}, asked to serve "
                              f"{noise.posterior_version}: load_version first")
+        if self._lora is not None:
+            ok, ratio = self._lora.stage(noise.seed, noise.scale)
+            self.report = ServeReport(self.version, noise.seed, self.mean_checksum, ok, ratio, scale=noise.scale)
+            return self.report
         results = self.llm.collective_rpc("threepo_serve", args=(noise.seed, noise.scale))
         self.llm.reset_prefix_cache()
         intended = sum(r["noise_intended"] for r in results)
@@ -123,20 +171,62 @@ class VLLMEngine:
         return self.report
 
     def generate(self, requests: Sequence[EngineRequest], params: SamplingParams) -> list[list[GeneratedSample]]:
+        prompts, sampling = self._inputs(requests, params, self.report.seed, self.report.scale)
+        lora = None if self._lora is None else self._lora.request(self.report.seed, self.report.scale)
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=lora)
+        return [[_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+
+    def _inputs(self, requests: Sequence[EngineRequest], params: SamplingParams, seed: int | None, scale: float):
         from vllm import SamplingParams as VllmParams
         from vllm.inputs import TokensPrompt
 
-        salt = f"v{self.version}-s{self.report.seed}x{self.report.scale!r}-{self.mean_checksum[:8]}"
+        salt = f"v{self.version}-s{seed}x{scale!r}-{self.mean_checksum[:8]}"
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids), cache_salt=salt) for r in requests]
         sampling = [VllmParams(n=r.n, seed=r.seed % (1 << 63), temperature=params.temperature,
                                top_p=params.top_p, top_k=params.top_k, max_tokens=params.max_new_tokens,
                                stop_token_ids=list(params.stop_token_ids), logprobs=0, detokenize=True,
                                skip_special_tokens=True)
                     for r in requests]
-        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
-        return [[_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+        return prompts, sampling
+
+    @property
+    def slots_together(self) -> bool:
+        """Can `generate_slots` sample several slots in one call (a LoRA version: one adapter per slot)?"""
+        return self._lora is not None
+
+    def generate_slots(self, groups: Sequence[tuple[NoiseSpec, Sequence[EngineRequest]]],
+                       params: SamplingParams) -> list[tuple[ServeReport, bool, list[list[GeneratedSample]]]]:
+        """Sample each (slot, requests) group under its own adapter in one `LLM.generate` call (vLLM's
+        multi-LoRA batching: each prompt names its slot's `LoRARequest`). Per group: the `ServeReport`
+        that `serve` would give, whether its adapter file and the base were unchanged after sampling,
+        and the samples. Only for a LoRA version (`slots_together`)."""
+        if self._lora is None:
+            raise ValueError(f"engine {self.engine_id}: vLLM samples several slots in one call only for a LoRA "
+                             "version; serve and generate them one at a time")
+        prompts, sampling, loras, reports, counts = [], [], [], [], []
+        for noise, requests in groups:
+            if noise.posterior_version != self.version:
+                raise ValueError(f"engine {self.engine_id} holds version {self.version}, asked to serve "
+                                 f"{noise.posterior_version}: load_version first")
+            ok, ratio = self._lora.stage(noise.seed, noise.scale)
+            reports.append(ServeReport(self.version, noise.seed, self.mean_checksum, ok, ratio, scale=noise.scale))
+            p, s = self._inputs(requests, params, noise.seed, noise.scale)
+            prompts += p
+            sampling += s
+            loras += [self._lora.request(noise.seed, noise.scale)] * len(p)
+            counts.append(len(p))
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=loras)
+        base_ok = all(self.llm.collective_rpc("threepo_verify"))
+        results, at = [], 0
+        for (noise, _), report, n in zip(groups, reports, counts):
+            samples = [[_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs[at:at + n]]
+            results.append((report, base_ok and self._lora.holds(noise.seed, noise.scale), samples))
+            at += n
+        return results
 
     def verify(self) -> bool:
+        if self._lora is not None:  # the base as loaded, and the served slot's adapter as written
+            return self._lora.holds(self.report.seed, self.report.scale) and all(self.llm.collective_rpc("threepo_verify"))
         return all(self.llm.collective_rpc("threepo_verify"))
 
     def held_bytes(self) -> dict:
@@ -157,6 +247,80 @@ class VLLMEngine:
         del self.llm
         gc.collect()
         remove_staged(self.staged)
+        if self._lora is not None:
+            self._lora.remove()
+
+
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank (vllm/config/lora.py)
+
+
+class LoRAVersion:
+    """A LoRA version as the vLLM engine holds it: the adapters' fp32 m and σ (the learner's names),
+    (r, α), and each slot staged as a PEFT adapter directory (`services/lora.write_adapter`) of its
+    sample Â = m_A + c · σ_A ⊙ z(seed), B̂ likewise (`param_noise.perturbed`, as the learner and the hf
+    engine build them), under `staging_dir()/<stem>-<seed>x<c>`, and named to vLLM by a `LoRARequest`
+    whose id is new for every (version, slot); vLLM casts them to the served dtype (its `lora_dtype`
+    default), which the served-noise ratio accounts for. The weight check: the fingerprint of the
+    values written against the file read back, at staging and when asked (`holds`); what vLLM holds
+    in its adapter cache is not read back. The previous version's directories are removed when this
+    version is taken (vLLM read them when their slots were served; an older version's requests are
+    served after it is taken again)."""
+
+    _ids = iter(range(1, 1 << 62))  # vLLM caches adapters by id: one per staged slot, process-wide
+
+    def __init__(self, version: int, mean: dict, sigma: dict | None, lora: tuple[int, float], noise_rank: int,
+                 base_path: str, stem: str, previous: LoRAVersion | None, dtype: str = "float32") -> None:
+        self.version, self.mean, self.sigma, self.lora, self.noise_rank = version, mean, sigma, lora, noise_rank
+        self.dtype = dtype
+        self.base_path, self.stem = base_path, stem
+        self.slots: dict[tuple, tuple] = {}  # (seed, c) -> (LoRARequest, directory, fingerprint, noise ratio)
+        if previous is not None:
+            previous.remove()
+
+    def stage(self, seed: int | None, scale: float) -> tuple[bool, float]:
+        """Write slot (seed, c) if it is not staged; (whether the file holds what was computed, the
+        served-noise ratio of the adapter factors in the served dtype)."""
+        import torch
+
+        from vllm.lora.request import LoRARequest
+
+        from threepo.algorithms import param_noise, weight_checks
+        from threepo.services.lora import LoRAConfig, write_adapter
+
+        key = (seed, scale)
+        if key not in self.slots:
+            sigma = self.sigma or {}
+            values = {n: param_noise.perturbed(m, sigma[n], seed, n, scale, rank=self.noise_rank)
+                      if seed is not None and n in sigma else m.float() for n, m in self.mean.items()}
+            targets = sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in values})
+            directory = os.path.join(staging_dir(), f"{self.stem}-{seed}x{scale!r}")
+            write_adapter(values, LoRAConfig(rank=self.lora[0], alpha=self.lora[1], target_modules=tuple(targets)),
+                          directory, self.base_path)
+            request = LoRARequest(f"{self.stem}-{seed}x{scale!r}", next(self._ids), directory)
+            ratio = param_noise.served_noise_ratio_of(self.mean, values, getattr(torch, self.dtype)) if (
+                seed is not None and self.sigma) else 1.0
+            self.slots[key] = (request, directory, weight_checks.value_fingerprint(values.values()), ratio)
+        return self.holds(seed, scale), self.slots[key][3]
+
+    def request(self, seed: int | None, scale: float):
+        return self.slots[(seed, scale)][0]
+
+    def holds(self, seed: int | None, scale: float) -> bool:
+        """Does slot (seed, c)'s adapter file hold exactly the values computed for it?"""
+        from safetensors.torch import load_file
+
+        from threepo.algorithms import weight_checks
+
+        _, directory, fingerprint, _ = self.slots[(seed, scale)]
+        written = load_file(os.path.join(directory, "adapter_model.safetensors"))
+        return weight_checks.value_fingerprint(written.values()) == fingerprint
+
+    def remove(self) -> None:
+        import shutil
+
+        for _, directory, _, _ in self.slots.values():
+            shutil.rmtree(directory, ignore_errors=True)
+        self.slots.clear()
 
 
 def _sample(c) -> GeneratedSample:

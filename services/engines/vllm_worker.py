@@ -81,6 +81,11 @@ class ThreepoWorkerExtension:
         return {"loaded_ok": matches and self._threepo_loaded[2],
                 "noise_served": energy[0], "noise_intended": energy[1]}
 
+    def threepo_hold_base(self) -> None:
+        """Take the fingerprint of the weights as loaded (the base a LoRA run's adapters are served
+        over: nothing is reloaded), which `threepo_verify` then compares with."""
+        self._threepo_loaded = self._threepo_fingerprint()
+
     def threepo_held_bytes(self) -> dict:
         """Bytes of threepo's own state this worker holds beside the served weights: on its device
         (none between calls: θ̂ is streamed), and in host memory it maps or references (m and σ)."""

@@ -24,13 +24,13 @@ CFG = dict(batch_size=32, seed=0, max_new_tokens=12)
 class EngineHost:
     """A Ray actor holding one engine; `call` runs a protocol method, `rpc` a vLLM worker method."""
 
-    def __init__(self, backend: str, path: str, cfg: SamplerConfig) -> None:
+    def __init__(self, backend: str, path: str, cfg: SamplerConfig, adapters: tuple | None = None) -> None:
         import os
 
         from threepo.deploy.actors import make_engine
 
         self.pid = os.getpid()
-        self.engine = make_engine(path, cfg, 0, "float32")
+        self.engine = make_engine(path, cfg, 0, "float32", adapters)
 
     def call(self, method: str, *args):
         return getattr(self.engine, method)(*args)

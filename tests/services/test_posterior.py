@@ -177,11 +177,12 @@ def test_a_version_is_read_back_as_the_learner_published_it_through_a_checkpoint
     from threepo.services.posterior import load_posterior, save_posterior
 
     server = PosteriorServer(PosteriorConfig(kind="c3po", group_size=8, n_slots=4, base_seed=3))
-    sent = dataclasses.replace(_pv(7), reason="kl", noise_rank=2)
+    sent = dataclasses.replace(_pv(7), reason="kl", noise_rank=2, lora=(8, 16.0))  # (r, α) of an adapter posterior
     server.publish(sent)
     save_posterior(server, str(tmp_path))
     for got in (server.published(0), load_posterior(str(tmp_path)).published(0)):
         assert (got.learner_step, got.reason, got.mean_checksum, got.noise_rank) == (70, "kl", sent.mean_checksum, 2)
+        assert got.lora == (8, 16.0)
         assert all(np.array_equal(got.mean[n], sent.mean[n].astype(np.float32)) and
                    np.array_equal(got.sigma[n], sent.sigma[n].astype(np.float32)) for n in sent.mean)
 
