@@ -16,7 +16,7 @@ model (bf16 autocast, as benchmarks/real_model.py trains it); '' the embedded de
     python3 benchmarks/lora.py --model smollm2          # SmolLM2-135M-Instruct (a few minutes)
     python3 benchmarks/lora.py                          # the embedded default
     python3 benchmarks/lora.py --quick --model tiny     # smoke
-    python3 benchmarks/lora.py --engine --model smollm2 # the engine part alone
+    python3 benchmarks/lora.py --engine --model smollm2 # the engine part alone (--backend vllm: vLLM's)
 
 The engine part: one engine (1 thread, `--rows` rows per call, max_new_tokens 16, T 1, the default
 task's prompts), each call's rows split over S = 1 or 4 slots of the held version (`generate_slots`);
@@ -70,9 +70,11 @@ def one_arm(model: str, overrides: list[str], arm: tuple, steps: int, bf16: bool
              "version_mb": nbytes / 2 ** 20, "step_s_all": times})
 
 
-def engine_arm(model: str, rank: int, dtype: str, rows: int, seconds: float, out) -> None:
+def engine_arm(model: str, rank: int, dtype: str, rows: int, seconds: float, backend: str, out) -> None:
     """In a fresh process: seconds per generated token of calls of `rows` rows under 1 and 4 slots of
-    a full-weight posterior (rank 0) or a rank-`rank` adapter posterior (σ 1e-3 everywhere), put on `out`."""
+    a full-weight posterior (rank 0) or a rank-`rank` adapter posterior (σ 1e-3 everywhere), put on
+    `out`. An engine that cannot sample a version's slots in one call (vLLM, full weights: each slot
+    is a reload) serves them one after the other, as its sampler does."""
     import numpy as np
     import torch
 
@@ -84,14 +86,20 @@ def engine_arm(model: str, rank: int, dtype: str, rows: int, seconds: float, out
     from threepo.services.modeling import load_model, trainable_named_parameters
 
     torch.set_num_threads(1)
-    engine = HFEngine(model, SamplerConfig(threads=1, batch_size=rows, max_new_tokens=16), dtype=dtype)
+    cfg = SamplerConfig(backend=backend, threads=1, batch_size=rows, max_new_tokens=16)
+    if backend == "vllm":
+        from threepo.services.engines.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(model, cfg, dtype=dtype, adapters=(rank, 4) if rank else None)
+    else:
+        engine = HFEngine(model, cfg, dtype=dtype)
     if rank:
         adapted = attach(load_model(model), LoRAConfig(rank=rank))
         gen = torch.Generator().manual_seed(0)
         mean = {n: (p.detach() if ".lora_A." in n else torch.randn(p.shape, generator=gen) * 1e-3).numpy().copy()
                 for n, p in trainable_named_parameters(adapted)}
     else:
-        mean = {n: p.detach().float().numpy().copy() for n, p in engine._params.items()}
+        mean = {n: p.detach().float().numpy().copy() for n, p in trainable_named_parameters(load_model(model))}
     sigma = {n: np.full(a.shape, 1e-3, dtype=np.float32) for n, a in mean.items()}
     checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
     engine.load_version(1, mean, sigma, checksum, **({"lora": (rank, 16.0)} if rank else {}))
@@ -103,8 +111,14 @@ def engine_arm(model: str, rank: int, dtype: str, rows: int, seconds: float, out
         tokens, calls, start = 0, 0, time.perf_counter()
         while True:
             groups = [(NoiseSpec(1, seed=100 + s), prompts[s * per:(s + 1) * per]) for s in range(slots)]
-            out_ = engine.generate_slots(groups, params)
-            tokens += sum(len(x.token_ids) for _, _, g in out_ for r in g for x in r)
+            if getattr(engine, "slots_together", False):
+                out_ = [g for _, _, g in engine.generate_slots(groups, params)]
+            else:
+                out_ = []
+                for noise, requests in groups:
+                    engine.serve(noise)
+                    out_.append(engine.generate(requests, params))
+            tokens += sum(len(x.token_ids) for g in out_ for r in g for x in r)
             calls += 1
             if time.perf_counter() - start >= seconds:
                 break
@@ -113,18 +127,18 @@ def engine_arm(model: str, rank: int, dtype: str, rows: int, seconds: float, out
              "slots": figures, "ratio": figures[4]["s_per_token"] / figures[1]["s_per_token"]})
 
 
-def engine_part(model: str, dtype: str, rows: int, seconds: float, quick: bool) -> dict:
+def engine_part(model: str, dtype: str, rows: int, seconds: float, backend: str) -> dict:
     ctx, figures = mp.get_context("spawn"), {}
     for label, rank in (("full-weight posterior", 0), ("adapter posterior r8", 8)):
         out = ctx.Queue()
-        proc = ctx.Process(target=engine_arm, args=(model, rank, dtype, rows, seconds, out))
+        proc = ctx.Process(target=engine_arm, args=(model, rank, dtype, rows, seconds, backend, out))
         proc.start()
         figures[label] = out.get()
         proc.join()
         print(f"{label}: {figures[label]}", flush=True)
     rows_ = [[label, f"{f['version_mb']:,.2f}", f"{1e3 * f['slots'][1]['s_per_token']:.2f}",
               f"{1e3 * f['slots'][4]['s_per_token']:.2f}", f"{f['ratio']:.2f}"] for label, f in figures.items()]
-    _common.table(f"hf engine, a call of {rows} rows under S posterior samples ({os.path.basename(model.rstrip('/'))}, "
+    _common.table(f"{backend} engine, a call of {rows} rows under S posterior samples ({os.path.basename(model.rstrip('/'))}, "
                   f"{dtype}, 1 thread, max_new_tokens 16, T 1)",
                   ["version", "version MiB", "ms/token S=1", "ms/token S=4", "S=4 ÷ S=1"], rows_)
     return figures
@@ -137,6 +151,7 @@ def main() -> None:
     p.add_argument("--engine", action="store_true", help="the engine part alone")
     p.add_argument("--rows", type=int, default=32, help="rows per engine call (the engine part)")
     p.add_argument("--seconds", type=float, default=20.0, help="measuring time per engine configuration")
+    p.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="the engine of the engine part")
     args = p.parse_args()
     sizes = ["runtime.prompts_per_step=4", "algo.group_size=8", "sampler.max_new_tokens=64"]
     if args.quick:
@@ -149,8 +164,8 @@ def main() -> None:
     model = _common.model_path(args)
     if args.engine:
         figures = engine_part(model, "bfloat16" if real else "float32", args.rows, 2.0 if args.quick else args.seconds,
-                              args.quick)
-        _common.write_results(f"lora_engine_{'smollm2' if real else 'embedded'}",
+                              args.backend)
+        _common.write_results(f"lora_engine_{args.backend}_{'smollm2' if real else 'embedded'}",
                               {"model": model, "figures": figures, "args": vars(args)})
         return
     overrides = [*sizes, *args.overrides]
