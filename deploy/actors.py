@@ -94,8 +94,8 @@ def role_memory(roles: Roles) -> dict[str, float]:
 def make_engine(model_path: str, cfg: SamplerConfig, engine_id: int, dtype: str,
                 adapters: tuple[int, int] | None = None):
     """The engine of `sampler.backend`; vLLM and SGLang are imported only here, inside the actor.
-    `adapters` = (rank, slots): the run's versions are LoRA adapters (vLLM starts its LoRA serving;
-    the hf engine serves them as they come)."""
+    `adapters` = (rank, slots): the run's versions are LoRA adapters (vLLM and SGLang start their LoRA
+    serving; the hf engine serves them as they come)."""
     match cfg.backend:
         case "hf":
             from threepo.services.engines.hf import HFEngine
@@ -108,7 +108,7 @@ def make_engine(model_path: str, cfg: SamplerConfig, engine_id: int, dtype: str,
         case "sglang":
             from threepo.services.engines.sglang_engine import SGLangEngine
 
-            return SGLangEngine(model_path, cfg, engine_id=engine_id, dtype=dtype)
+            return SGLangEngine(model_path, cfg, engine_id=engine_id, dtype=dtype, adapters=adapters)
     raise ValueError(f"sampler.backend: expected hf, vllm or sglang, got {cfg.backend!r}")
 
 
@@ -278,15 +278,9 @@ def start_sampler(cfg: RunConfig, policy_path: str, run_dir: str, index: int):
                    name=f"{os.path.basename(os.path.abspath(run_dir))}-sampler-{index}")
     if elastic:
         options["resources"] = {rt.sampler_resource: 1}
-    adapters = (cfg.lora.rank, cfg.algo.n_slots) if cfg.lora.rank and adapter_versions(cfg) else None
+    adapters = (cfg.lora.rank, cfg.algo.n_slots) if cfg.lora.rank else None  # versions are adapters
     return ray.remote(SamplerActor).options(**options).remote(policy_path, cfg.sampler, index, cfg.model.dtype,
                                                               cfg.prompt, adapters)
-
-
-def adapter_versions(cfg: RunConfig) -> bool:
-    """Do this run's engines take LoRA versions as adapters over the base they loaded (hf, vLLM),
-    rather than merged full models (SGLang)? IVON over adapters needs it (the config checks)."""
-    return cfg.sampler.backend in ("hf", "vllm")
 
 
 def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str | None,
@@ -309,7 +303,7 @@ def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str,
                   deepspeed_stage=cfg.learner.deepspeed_stage, shared_prefix=cfg.learner.shared_prefix,
                   activation_mb=cfg.learner.activation_mb, gradient_checkpointing=cfg.learner.gradient_checkpointing,
                   bf16=cfg.learner.bf16, noise=cfg.noise, noise_prompts=noise_prompts(cfg, policy_path), lora=cfg.lora,
-                  adapter_versions=adapter_versions(cfg),  # engines that serve adapters over their base
+                  adapter_versions=True,  # every engine serves LoRA versions as adapters over its base
                   beside=(cores or CorePlacement(cfg)).drift_process, checkpoint=checkpoint, rollout_log=log)
     if cfg.learner.grouped:  # R ranks behind the same methods (deploy/learner_group.py)
         from threepo.deploy.learner_group import start_learner_group

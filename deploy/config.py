@@ -166,7 +166,7 @@ class RunConfig:
 
         check_combination(self.algo, self.optim, self.model.kind)
         check_learner(self.learner, self.algo, self.optim)
-        check_lora(self.lora, self.algo, self.optim, self.learner, self.sampler.backend)
+        check_lora(self.lora, self.algo, self.learner)
         _check_sampler(self.sampler, self.runtime)
         if self.runtime.eval_gpus > 0 and self.eval.device != "cuda":
             raise ValueError(f"runtime.eval_gpus={self.runtime.eval_gpus}: the evaluator decodes on the CPU "

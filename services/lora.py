@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from threepo.services.learner.config import AlgoConfig, LearnerConfig, OptimConfig
+    from threepo.services.learner.config import AlgoConfig, LearnerConfig
 
 _ADAPTER = "default"  # peft's name for the one adapter
 _PEFT_PREFIX = "base_model.model."  # how a PeftModel names what it wraps, in the adapter file
@@ -55,15 +55,10 @@ class LoRAConfig:
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
 
 
-def check_lora(lora: LoRAConfig, algo: AlgoConfig, optim: OptimConfig, learner: LearnerConfig,
-               sampler_backend: str = "hf") -> None:
+def check_lora(lora: LoRAConfig, algo: AlgoConfig, learner: LearnerConfig) -> None:
     """Reject what LoRA training (`lora.rank` > 0, services/lora.py) does not do yet, naming the keys to change."""
     if not lora.rank:
         return
-    if optim.name == "ivon" and sampler_backend not in ("hf", "vllm"):
-        raise ValueError(f"lora.rank={lora.rank} with optim.name=ivon publishes adapter posteriors, which "
-                         f"sampler.backend=hf or vllm serves (SGLang's LoRA path is not wired yet): set "
-                         f"sampler.backend=hf or vllm, or train the adapters with --config grpo_baseline")
     for bad, fix in ((learner.deepspeed_stage >= 0, "learner.deepspeed_stage=-1"), (learner.ranks > 1, "learner.ranks=1"),
                      (algo.vp2o, "algo.vp2o=false")):
         if bad:
@@ -145,7 +140,23 @@ def write_adapter(tensors: dict, cfg: LoRAConfig, directory: str, base_path: str
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
-    state = {_PEFT_PREFIX + n.replace(f".{_ADAPTER}.", "."): t.detach().float().contiguous() for n, t in tensors.items()}
-    save_file(state, os.path.join(directory, "adapter_model.safetensors"))
+    save_file(peft_tensors(tensors), os.path.join(directory, "adapter_model.safetensors"))
     _peft_config(cfg, os.path.abspath(base_path)).save_pretrained(directory)
     return directory
+
+
+def peft_tensors(tensors: dict) -> dict:
+    """The learner's adapter tensors under PEFT's names (fp32, contiguous), as an adapter file holds them."""
+    return {_PEFT_PREFIX + n.replace(f".{_ADAPTER}.", "."): t.detach().float().contiguous() for n, t in tensors.items()}
+
+
+def peft_config_dict(cfg: LoRAConfig) -> dict:
+    """The `adapter_config.json` of adapters of `cfg`, as a dict (SGLang's load-from-tensors takes it)."""
+    return {"peft_type": "LORA", "r": cfg.rank, "lora_alpha": cfg.alpha, "target_modules": list(cfg.target_modules),
+            "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM"}
+
+
+def adapter_config(tensors: dict, rank: int, alpha: float) -> LoRAConfig:
+    """The `LoRAConfig` of a version's adapter tensors (learner names): its target modules from the names."""
+    targets = sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in tensors})
+    return LoRAConfig(rank=rank, alpha=alpha, target_modules=tuple(targets))

@@ -30,6 +30,16 @@ distribution: this engine therefore samples at temperature only (top_k 0, top_p 
 others with `sampler.backend=sglang`, and `generate` raises). 0.5.23's `Engine` has no pause or
 resume of generation, and threepo needs none: this adapter calls the engine one call at a time.
 
+A LoRA version (the engine started with `adapters` = (rank, slots): `enable_lora`, `max_lora_rank`,
+`lora_target_modules=["all"]`, `max_loras_per_batch` = slots + 1 (a base-only request counts), as
+0.5.23's `arg_groups/fields/lora.py` names them) never reloads the base: at start the `hold` loader
+fingerprints the weights as loaded (what `verify` then compares with); each slot's adapter sample Â, B̂
+is loaded with `Engine.load_lora_adapter_from_tensors(name, PEFT-named tensors, config dict)` (0.5.23,
+`entrypoints/engine.py`; its tensors go through `LoRAAdapter.initialize_weights_from_tensors`, which
+keys layers by the names a PEFT file has), each request names its slot's adapter in `lora_path`, and
+`generate_slots` sends a call's slots in one `generate`; a new version unloads the last one's
+adapters (`unload_lora_adapter`).
+
 SGLang cannot be installed on the CPU machines this project is built on (CUDA-only wheels): this
 adapter runs the conformance suite against a fake of the 0.5.23 `Engine` (tests/engines/fake_sglang.py:
 its session rule, its seed rule, its log-prob rule, a loader exception ending the engine), and the
@@ -54,7 +64,7 @@ from threepo.services.engines.staging import remove_staged, stage_version, stagi
 from threepo.services.messages import NoiseSpec, SamplingParams
 
 _LOADER = "threepo.services.engines.sglang_loader"
-LOADERS = {op: f"{_LOADER}.{op}" for op in ("store", "serve", "verify")}
+LOADERS = {op: f"{_LOADER}.{op}" for op in ("store", "serve", "hold", "verify")}
 _CONTROL = "__threepo__"  # prefix of control tensors (seed, version, checksum); never a model weight
 
 
@@ -82,7 +92,7 @@ class SGLangEngine:
     `engine_factory` builds the `sglang.Engine` (tests pass a fake with the same signatures)."""
 
     def __init__(self, model_path: str, cfg: SamplerConfig, *, engine_id: int = 0, dtype: str = "float32",
-                 engine_factory=None):
+                 engine_factory=None, adapters: tuple[int, int] | None = None):
         self.cfg, self.engine_id = cfg, engine_id
         # the loaders' status files; SGLang's workers inherit the variable when the engine spawns them
         self.status_dir = tempfile.mkdtemp(prefix=f"threepo-sglang-{engine_id}-")
@@ -96,17 +106,28 @@ class SGLangEngine:
             model_path=model_path, dtype=dtype if cfg.dtype == "auto" else cfg.dtype, tp_size=cfg.tensor_parallel_size,
             mem_fraction_static=cfg.gpu_memory_utilization, random_seed=cfg.seed,
             max_running_requests=cfg.batch_size, context_length=cfg.max_model_len or None,
-            custom_weight_loader=list(LOADERS.values()), enable_deterministic_inference=True)
+            custom_weight_loader=list(LOADERS.values()), enable_deterministic_inference=True,
+            **({} if adapters is None else dict(  # a slot's adapter, and base-only requests, in one batch
+                enable_lora=True, max_lora_rank=adapters[0], lora_target_modules=["all"],
+                max_loras_per_batch=adapters[1] + 1, max_loaded_loras=2 * (adapters[1] + 1))))
+        self.adapters = adapters
+        self._lora: dict | None = None  # the held LoRA version: m, σ, (r, α), noise rank, loaded slot names
         self.version, self.mean_checksum, self._noise_ratio = 0, "", 1.0
         self.served_dtype = dtype if cfg.dtype == "auto" else cfg.dtype
         self.report = ServeReport(0, None, "", True, 1.0, detail="checkpoint as loaded by SGLang")
+        if adapters is not None:  # the base is never reloaded: its fingerprint as loaded is the check
+            ok, message = self._update([], "hold", flush_cache=False)
+            if not ok:
+                raise WeightsMismatch(f"engine {engine_id}: could not fingerprint the base: {message}")
 
     def load_version(self, version: int, mean: Mapping[str, np.ndarray],
                      sigma: Mapping[str, np.ndarray] | None, mean_checksum: str, noise_rank: int = 0,
                      lora: tuple[int, float] | None = None) -> None:
         if lora is not None:
-            raise ValueError(f"engine {self.engine_id}: a LoRA adapter posterior (lora.rank with optim.name=ivon) is "
-                             "served by sampler.backend=hf only")
+            return self._load_lora(version, mean, sigma, mean_checksum, noise_rank, lora)
+        if self._lora is not None:
+            raise WeightsMismatch(f"engine {self.engine_id}: a full version after LoRA versions: this engine "
+                                  "serves the base it loaded with adapters")
         import torch
 
         path = stage_version(mean, sigma, staging_dir(), f"threepo-sglang-{os.getpid()}-{self.engine_id}-v{version}")
@@ -123,10 +144,57 @@ class SGLangEngine:
         self._noise_ratio = estimated_noise_ratio(mean, sigma or {}, self.served_dtype, seed=version)
         self.report = ServeReport(version, None, mean_checksum, True, 1.0)
 
+    def _load_lora(self, version: int, mean: Mapping[str, np.ndarray], sigma: Mapping[str, np.ndarray] | None,
+                   mean_checksum: str, noise_rank: int, lora: tuple[int, float]) -> None:
+        """A LoRA version: the adapters' m and σ kept here (adapter-sized); each slot's adapter sample
+        is loaded into SGLang by `load_lora_adapter_from_tensors` under its own name; the previous
+        version's adapters are unloaded."""
+        import torch
+
+        from threepo.algorithms.weight_checks import weights_checksum
+
+        if self.adapters is None:
+            raise ValueError(f"engine {self.engine_id}: a LoRA version reached an SGLang engine started without "
+                             "LoRA serving (the sampler starts it with [lora] rank > 0)")
+        held = {n: torch.from_numpy(np.asarray(a, dtype=np.float32)) for n, a in mean.items()}
+        checksum = weights_checksum(held.items())
+        if checksum != mean_checksum:
+            raise WeightsMismatch(f"engine {self.engine_id}: the mean of version {version} has checksum "
+                                  f"{checksum}, the learner published {mean_checksum}")
+        for name in (self._lora or {}).get("loaded", {}).values():
+            self.engine.unload_lora_adapter(name)
+        self._lora = {"mean": held, "noise_rank": noise_rank, "lora": lora, "loaded": {},
+                      "sigma": None if sigma is None else {n: torch.from_numpy(np.asarray(a, dtype=np.float32))
+                                                           for n, a in sigma.items()}}
+        self.version, self.mean_checksum = version, mean_checksum
+        self.report = self.serve(NoiseSpec(posterior_version=version, seed=None))
+
+    def _adapter(self, seed: int | None, scale: float) -> tuple[str, bool, str]:
+        """The name of slot (seed, c)'s adapter in SGLang, loaded if it is not; (name, ok, message)."""
+        from threepo.algorithms import param_noise
+        from threepo.services.lora import adapter_config, peft_config_dict, peft_tensors
+
+        held = self._lora
+        if (seed, scale) in held["loaded"]:
+            return held["loaded"][(seed, scale)], True, ""
+        values = param_noise.perturbed_state(held["mean"], held["sigma"] or {}, seed, scale, held["noise_rank"])
+        name = f"threepo-{self.engine_id}-v{self.version}-{seed}x{scale!r}"
+        out = self.engine.load_lora_adapter_from_tensors(name, peft_tensors(values),
+                                                         peft_config_dict(adapter_config(values, *held["lora"])))
+        if not out.success:
+            return name, False, str(out.error_message)
+        held["loaded"][(seed, scale)] = name
+        return name, True, ""
+
     def serve(self, noise: NoiseSpec) -> ServeReport:
         if noise.posterior_version != self.version or not self.mean_checksum:
             raise ValueError(f"engine {self.engine_id} holds version {self.version}, asked to serve "
                              f"{noise.posterior_version}: load_version first")
+        if self._lora is not None:
+            _, ok, message = self._adapter(noise.seed, noise.scale)
+            self.report = ServeReport(self.version, noise.seed, self.mean_checksum, ok, 1.0, detail=message,
+                                      scale=noise.scale)
+            return self.report
         seed = [] if noise.seed is None else [noise.seed]
         ok, message = self._update([control("seed", seed), scale_tensor(noise.scale)], "serve", flush_cache=True)
         ratio = 1.0 if noise.seed is None else self._noise_ratio  # estimated at c = 1
@@ -163,6 +231,42 @@ class SGLangEngine:
         return (False, "; ".join(failed)) if failed else (True, "")
 
     def generate(self, requests: Sequence[EngineRequest], params: SamplingParams) -> list[list[GeneratedSample]]:
+        adapter = None if self._lora is None else self._lora["loaded"][(self.report.seed, self.report.scale)]
+        return self._generate(requests, params, [adapter] * len(requests))
+
+    @property
+    def slots_together(self) -> bool:
+        """Can `generate_slots` sample several slots in one call (a LoRA version: one adapter per slot)?"""
+        return self._lora is not None
+
+    def generate_slots(self, groups: Sequence[tuple[NoiseSpec, Sequence[EngineRequest]]],
+                       params: SamplingParams) -> list[tuple[ServeReport, bool, list[list[GeneratedSample]]]]:
+        """Sample each (slot, requests) group under its own adapter in one `Engine.generate` (each
+        request names its slot's adapter in `lora_path`). Per group: the `ServeReport` `serve` would
+        give, whether the base was unchanged after sampling, and the samples. A LoRA version only."""
+        if self._lora is None:
+            raise ValueError(f"engine {self.engine_id}: SGLang samples several slots in one call only for a LoRA "
+                             "version; serve and generate them one at a time")
+        reports, requests, adapters = [], [], []
+        for noise, group in groups:
+            if noise.posterior_version != self.version:
+                raise ValueError(f"engine {self.engine_id} holds version {self.version}, asked to serve "
+                                 f"{noise.posterior_version}: load_version first")
+            name, ok, message = self._adapter(noise.seed, noise.scale)
+            reports.append(ServeReport(self.version, noise.seed, self.mean_checksum, ok, 1.0, detail=message,
+                                       scale=noise.scale))
+            requests += group
+            adapters += [name] * len(group)
+        samples = self._generate(requests, params, adapters)
+        unchanged = self.verify()
+        out, at = [], 0
+        for report, (_, group) in zip(reports, groups):
+            out.append((report, unchanged, samples[at:at + len(group)]))
+            at += len(group)
+        return out
+
+    def _generate(self, requests: Sequence[EngineRequest], params: SamplingParams,
+                  adapters: list) -> list[list[GeneratedSample]]:
         if params.top_k or params.top_p < 1:
             raise ValueError(f"engine {self.engine_id}: SGLang 0.5.23 reports log-probs before top-k/top-p "
                              f"truncation; sample with temperature only (got top_k {params.top_k}, top_p {params.top_p})")
@@ -172,8 +276,10 @@ class SGLangEngine:
                      "max_new_tokens": params.max_new_tokens, "sampling_seed": (r.seed + j) % (1 << 63),
                      "stop_token_ids": list(params.stop_token_ids)}
                     for r, j in flat]
+        lora = {} if self._lora is None else {
+            "lora_path": [a for r, a in zip(requests, adapters) for _ in range(r.n)]}
         outputs = self.engine.generate(input_ids=[list(r.prompt_ids) for r, _ in flat], sampling_params=sampling,
-                                       return_logprob=True)
+                                       return_logprob=True, **lora)
         samples = [_sample(o) for o in outputs]
         out, at = [], 0
         for r in requests:

@@ -20,6 +20,7 @@ rank's file after the call.
   cast to the model's dtype and stream it into `model.load_weights`, then compare the
   layout-invariant fingerprint of the model's parameters with the fed tensors (single-rank only:
   tensor-parallel ranks hold shards);
+- `hold`: take the fingerprint of the weights as loaded (a LoRA run serves the base it loaded);
 - `verify`: the served weights are still those loaded.
 Every call carries `__threepo__/call`, the number its outcome is written under.
 
@@ -96,12 +97,18 @@ def _serve(model: torch.nn.Module, tensors: dict) -> None:
         raise RuntimeError(f"threepo: after loading seed {seed} the model holds other values than were fed")
 
 
+def _hold(model: torch.nn.Module, tensors: dict) -> None:
+    """The weights as loaded are what is served (a LoRA run: the base, never reloaded; its adapters
+    live in SGLang's LoRA memory pool, not in the model's parameters): `verify` compares with them."""
+    _STATE[id(model)] = {"loaded": _fingerprint(model)}
+
+
 def _verify(model: torch.nn.Module, tensors: dict) -> None:
     if _fingerprint(model) != _STATE[id(model)]["loaded"]:
         raise RuntimeError("threepo: the served weights changed since they were loaded")
 
 
-store, serve, verify = _reported(_store), _reported(_serve), _reported(_verify)
+store, serve, hold, verify = _reported(_store), _reported(_serve), _reported(_hold), _reported(_verify)
 
 
 def _fingerprint(model: torch.nn.Module) -> tuple[int, int]:

@@ -285,17 +285,13 @@ class LoRAVersion:
         from vllm.lora.request import LoRARequest
 
         from threepo.algorithms import param_noise, weight_checks
-        from threepo.services.lora import LoRAConfig, write_adapter
+        from threepo.services.lora import adapter_config, write_adapter
 
         key = (seed, scale)
         if key not in self.slots:
-            sigma = self.sigma or {}
-            values = {n: param_noise.perturbed(m, sigma[n], seed, n, scale, rank=self.noise_rank)
-                      if seed is not None and n in sigma else m.float() for n, m in self.mean.items()}
-            targets = sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in values})
+            values = param_noise.perturbed_state(self.mean, self.sigma or {}, seed, scale, self.noise_rank)
             directory = os.path.join(staging_dir(), f"{self.stem}-{seed}x{scale!r}")
-            write_adapter(values, LoRAConfig(rank=self.lora[0], alpha=self.lora[1], target_modules=tuple(targets)),
-                          directory, self.base_path)
+            write_adapter(values, adapter_config(values, *self.lora), directory, self.base_path)
             request = LoRARequest(f"{self.stem}-{seed}x{scale!r}", next(self._ids), directory)
             ratio = param_noise.served_noise_ratio_of(self.mean, values, getattr(torch, self.dtype)) if (
                 seed is not None and self.sigma) else 1.0

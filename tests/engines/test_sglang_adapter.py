@@ -86,3 +86,56 @@ def test_a_version_reaches_the_workers_as_a_staged_file_not_as_tensors(tiny_dens
     assert not os.path.exists(first) and os.path.exists(eng.staged)
     eng.close()
     assert not os.path.exists(eng.staged)
+
+
+def test_a_lora_version_is_served_as_sglang_adapters_loaded_from_tensors_as_the_learner_builds_them(tiny_dense_path):
+    # the fake applies a request's adapter as SGLang does (W0 x + s B A x); the adapter's calls are
+    # 0.5.23's: enable_lora at start, load_lora_adapter_from_tensors / unload_lora_adapter, lora_path per request
+    from threepo.algorithms.noise_mask import NoiseConfig
+    from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig
+    from threepo.services.learner.core import Learner
+    from threepo.services.lora import LoRAConfig
+
+    learner = Learner(tiny_dense_path, AlgoConfig(exploration="c3po", n_slots=2, group_size=8),
+                      OptimConfig(name="ivon", lr=1.0, ess=1e4, hess_init=0.1), SyncConfig(max_staleness=1),
+                      temperature=1.0, max_new_tokens=10, lora=LoRAConfig(rank=4, alpha=8.0),
+                      noise=NoiseConfig(target_kl=0.0))
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for n, p in learner.named:
+            if ".lora_B." in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+            learner.optimizer.ivon.state[n]["mean"].copy_(p)
+    model = learner.model.eval()
+    pv = learner.published()
+    eng = SGLangEngine(tiny_dense_path, SamplerConfig(backend="sglang"), engine_factory=FakeSGLangEngine,
+                       adapters=(4, 2))
+    assert eng.engine.args["enable_lora"] and eng.engine.args["max_loras_per_batch"] == 3
+    with pytest.raises(WeightsMismatch, match="checksum"):
+        eng.load_version(1, pv.mean, pv.sigma, "0" * 16, 0, pv.lora)
+    eng.load_version(1, pv.mean, pv.sigma, pv.mean_checksum, 0, pv.lora)
+    params = SamplingParams(max_new_tokens=6)
+    for seed, scale in ((None, 1.0), (7, 1.0), (7, 2.5)):
+        assert eng.serve(NoiseSpec(1, seed=seed, scale=scale)).loaded_ok and eng.verify()
+        sample = eng.generate([EngineRequest((5, 6, 7), 1, seed=3)], params)[0][0]
+        full = torch.tensor([[5, 6, 7, *sample.token_ids]])
+        with torch.no_grad():
+            if seed is None:
+                logits = model(input_ids=full).logits
+            else:
+                with learner.optimizer.at(seed, train=False, scale=scale, served=True):
+                    logits = model(input_ids=full).logits
+        want = torch.log_softmax(logits[0, 2:-1], -1).gather(1, full[0, 3:, None])[:, 0].numpy()
+        np.testing.assert_allclose(sample.logprobs, want, atol=1e-4)
+    groups = [(NoiseSpec(1, seed=s), [EngineRequest((5, 6), 2, seed=20 + s)]) for s in (7, 8)]
+    together = eng.generate_slots(groups, params)
+    for (noise, requests), (report, unchanged, samples) in zip(groups, together):
+        assert report.loaded_ok and unchanged
+        eng.serve(noise)
+        assert [[s.token_ids for s in r] for r in samples] == [[s.token_ids for s in r] for r in eng.generate(requests, params)]
+    assert len(eng.engine.loras) == 4  # the mean, (7, 1), (7, 2.5), (8, 1)
+    eng.load_version(2, pv.mean, pv.sigma, pv.mean_checksum, 0, pv.lora)
+    assert list(eng.engine.loras) == [f"threepo-0-v2-Nonex1.0"]  # version 1's adapters unloaded
+    with torch.no_grad():
+        next(eng.engine.model.parameters()).view(-1)[0] += 1.0  # a stray write into the base
+    assert not eng.verify()
