@@ -135,7 +135,7 @@ def test_a_lora_version_is_served_as_sglang_adapters_loaded_from_tensors_as_the_
         assert [[s.token_ids for s in r] for r in samples] == [[s.token_ids for s in r] for r in eng.generate(requests, params)]
     assert len(eng.engine.loras) == 4  # the mean, (7, 1), (7, 2.5), (8, 1)
     eng.load_version(2, pv.mean, pv.sigma, pv.mean_checksum, 0, pv.lora)
-    assert list(eng.engine.loras) == [f"threepo-0-v2-Nonex1.0"]  # version 1's adapters unloaded
+    assert list(eng.engine.loras) == ["threepo-0-v2-Nonex1.0"]  # version 1's adapters unloaded
     with torch.no_grad():
         next(eng.engine.model.parameters()).view(-1)[0] += 1.0  # a stray write into the base
     assert not eng.verify()
