@@ -78,6 +78,7 @@ def test_ranks_load_a_staged_version_by_path_stream_theta_and_hold_nothing_on_th
     monkeypatch.setattr("threepo.services.engines.vllm_engine.staging_dir", lambda: str(tmp_path))
     workers = [Worker(tp=2), Worker(tp=2)]
     engine = object.__new__(VLLMEngine)  # the adapter without starting vLLM
+    engine._lora = None  # a full-weight version, no LoRA serving
     engine.cfg, engine.engine_id, engine.llm, engine.staged = SamplerConfig(backend="vllm", tensor_parallel_size=2), 0, \
         MsgpackLLM(workers), None
     engine.verify = lambda: all(w.threepo_verify() for w in workers)
