@@ -224,6 +224,11 @@ class Learner:
         return start, pending
 
     def _sync_decision(self, kl: float, ess_frac: float, steps_since_sync: int):
+        if kl != kl:  # NaN: the updated policy's log-probs are no longer numbers
+            raise FloatingPointError(f"learner step {self.step_count}: the policy diverged (its drift KL is NaN) "
+                                     f"after an update with optim.name={self.optim_cfg.name}, optim.lr="
+                                     f"{self.optim_cfg.lr:g}: lower optim.lr (AdamW takes ~1e-6–1e-4; the [optim] "
+                                     "default 10 is IVON's)")
         return sync_decision(kl=kl, ess_frac=ess_frac, steps_since_sync=steps_since_sync, kappa=self.sync.kappa,
                              eta=self.sync.eta, max_staleness=self.sync.max_staleness)
 

@@ -564,3 +564,12 @@ def test_low_rank_slot_noise_is_published_and_rebuilt_at_its_rank_while_training
             pass
     # rollouts of the rank-1 slots are their own slots rebuilt: no drift; the step trains with full samples
     assert _step(learner, _groups(sampler, learner, "c3po", 4, 8)).metrics["kl_k3_drift"] < 1e-5
+
+
+def test_a_diverged_policy_stops_the_learner_with_one_line_naming_the_learning_rate(sampler, tiny_dense_path):
+    learner = _learner(tiny_dense_path, "grpo", 1, optim=OptimConfig(name="adamw", lr=10.0))
+    groups = _groups(sampler, learner, "grpo", 1, 8)
+    with torch.no_grad():
+        learner.named[0][1].fill_(float("nan"))  # what a step at a learning rate far too large leaves
+    with pytest.raises(FloatingPointError, match=r"diverged .* optim.name=adamw, optim.lr=10: lower optim.lr"):
+        _step(learner, groups)
