@@ -150,7 +150,9 @@ class VLLMEngine:
         previous = self._lora
         self._lora = LoRAVersion(version, held, None if sigma is None else {
             n: torch.from_numpy(np.asarray(a, dtype=np.float32)) for n, a in sigma.items()}, lora, noise_rank,
-            self.model_path, f"threepo-vllm-lora-{os.getpid()}-{self.engine_id}-v{version}", previous, self.dtype)
+            self.model_path, f"threepo-vllm-lora-{os.getpid()}-{self.engine_id}-v{version}", previous, self.dtype,
+            None if self.cfg.tensor_parallel_size > 1 else
+            (lambda lora_id: self.llm.collective_rpc("threepo_lora_fingerprint", args=(lora_id,))))
         self.version, self.mean_checksum = version, mean_checksum
         self.report = self.serve(NoiseSpec(posterior_version=version, seed=None))
 
@@ -260,20 +262,25 @@ class LoRAVersion:
     sample Â = m_A + c · σ_A ⊙ z(seed), B̂ likewise (`param_noise.perturbed`, as the learner and the hf
     engine build them), under `staging_dir()/<stem>-<seed>x<c>`, and named to vLLM by a `LoRARequest`
     whose id is new for every (version, slot); vLLM casts them to the served dtype (its `lora_dtype`
-    default), which the served-noise ratio accounts for. The weight check: the fingerprint of the
-    values written against the file read back, at staging and when asked (`holds`); what vLLM holds
-    in its adapter cache is not read back. The previous version's directories are removed when this
+    default), which the served-noise ratio accounts for. The weight check (`holds`): the fingerprint of
+    the values written against the file read back, and, once vLLM has loaded the adapter (at the first
+    request naming it), against what its worker holds: Â and s · B̂ in the served dtype, the scaling
+    folded into lora_b as vLLM's `LoRALayerWeights.optimize` does (one rank; with tensor parallelism
+    each rank holds shards, and the file check alone applies). The previous version's directories are removed when this
     version is taken (vLLM read them when their slots were served; an older version's requests are
     served after it is taken again)."""
 
     _ids = iter(range(1, 1 << 62))  # vLLM caches adapters by id: one per staged slot, process-wide
 
     def __init__(self, version: int, mean: dict, sigma: dict | None, lora: tuple[int, float], noise_rank: int,
-                 base_path: str, stem: str, previous: LoRAVersion | None, dtype: str = "float32") -> None:
+                 base_path: str, stem: str, previous: LoRAVersion | None, dtype: str = "float32",
+                 held=None) -> None:
+        """`held(lora_id)`: each worker's fingerprint of that adapter as loaded (None: not loaded),
+        or None where the workers hold shards."""
         self.version, self.mean, self.sigma, self.lora, self.noise_rank = version, mean, sigma, lora, noise_rank
-        self.dtype = dtype
+        self.dtype, self.held = dtype, held
         self.base_path, self.stem = base_path, stem
-        self.slots: dict[tuple, tuple] = {}  # (seed, c) -> (LoRARequest, directory, fingerprint, noise ratio)
+        self.slots: dict[tuple, tuple] = {}  # (seed, c) -> (LoRARequest, directory, fingerprint, ratio, as loaded)
         if previous is not None:
             previous.remove()
 
@@ -295,8 +302,20 @@ class LoRAVersion:
             request = LoRARequest(f"{self.stem}-{seed}x{scale!r}", next(self._ids), directory)
             ratio = param_noise.served_noise_ratio_of(self.mean, values, getattr(torch, self.dtype)) if (
                 seed is not None and self.sigma) else 1.0
-            self.slots[key] = (request, directory, weight_checks.value_fingerprint(values.values()), ratio)
+            self.slots[key] = (request, directory, weight_checks.value_fingerprint(values.values()), ratio,
+                               self._as_loaded(values))
         return self.holds(seed, scale), self.slots[key][3]
+
+    def _as_loaded(self, values: dict) -> tuple[int, int]:
+        """The fingerprint vLLM's copy of these adapters must have: Â, and B̂ times s = α / r, in the served dtype."""
+        import torch
+
+        from threepo.algorithms import weight_checks
+
+        dtype, scaling = getattr(torch, self.dtype), self.lora[1] / self.lora[0]
+        parts = [t.to(dtype) if ".lora_A." in n else (t.to(dtype).mul_(scaling) if scaling != 1 else t.to(dtype))
+                 for n, t in values.items()]
+        return weight_checks.value_fingerprint(parts)
 
     def request(self, seed: int | None, scale: float):
         return self.slots[(seed, scale)][0]
@@ -307,14 +326,16 @@ class LoRAVersion:
 
         from threepo.algorithms import weight_checks
 
-        _, directory, fingerprint, _ = self.slots[(seed, scale)]
+        request, directory, fingerprint, _, loaded = self.slots[(seed, scale)]
         written = load_file(os.path.join(directory, "adapter_model.safetensors"))
-        return weight_checks.value_fingerprint(written.values()) == fingerprint
+        held = [] if self.held is None else [h for h in self.held(request.lora_int_id) if h is not None]
+        return weight_checks.value_fingerprint(written.values()) == fingerprint and all(
+            tuple(h) == loaded for h in held)
 
     def remove(self) -> None:
         import shutil
 
-        for _, directory, _, _ in self.slots.values():
+        for _, directory, *_ in self.slots.values():
             shutil.rmtree(directory, ignore_errors=True)
         self.slots.clear()
 

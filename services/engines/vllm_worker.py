@@ -86,6 +86,19 @@ class ThreepoWorkerExtension:
         over: nothing is reloaded), which `threepo_verify` then compares with."""
         self._threepo_loaded = self._threepo_fingerprint()
 
+    def threepo_lora_fingerprint(self, lora_id: int) -> tuple[int, int] | None:
+        """Fingerprint of LoRA adapter `lora_id` as this worker holds it — every lora_a and lora_b of
+        its `LoRAModel`, whose scaling vLLM folded into lora_b when it loaded it — or None if it is
+        not loaded (vLLM loads an adapter at the first request naming it)."""
+        adapters = self.model_runner.lora_manager._adapter_manager._registered_adapters
+        if lora_id not in adapters:
+            return None
+        tensors = []
+        for layer in adapters[lora_id].loras.values():
+            for part in (layer.lora_a, layer.lora_b):
+                tensors += [t for t in (part if isinstance(part, list) else [part]) if t is not None]
+        return weight_checks.value_fingerprint(tensors)
+
     def threepo_held_bytes(self) -> dict:
         """Bytes of threepo's own state this worker holds beside the served weights: on its device
         (none between calls: θ̂ is streamed), and in host memory it maps or references (m and σ)."""

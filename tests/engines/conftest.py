@@ -38,6 +38,14 @@ class EngineHost:
     def rpc(self, method: str, *args):
         return self.engine.llm.collective_rpc(method, args=args)
 
+    def run(self, fn, *args) -> list:
+        """`fn(worker, *args)` in every vLLM worker (`collective_rpc` with a callable)."""
+        return self.engine.llm.collective_rpc(fn, args=args)
+
+    def lora_id(self, seed, scale: float) -> int:
+        """vLLM's id of the held LoRA version's slot (seed, scale)."""
+        return self.engine._lora.slots[(seed, scale)][0].lora_int_id
+
     def corrupt(self, scale: float) -> list:
         """Fault injection inside every vLLM worker (a callable given to `collective_rpc` runs with the
         worker as its first argument): scale one element of its first readable weight in place."""
@@ -86,6 +94,16 @@ class RemoteEngine:
         import ray
 
         return ray.get(self.actor.corrupt.remote(scale))
+
+    def run(self, fn, *args) -> list:
+        import ray
+
+        return ray.get(self.actor.run.remote(fn, *args))
+
+    def lora_id(self, seed, scale: float) -> int:
+        import ray
+
+        return ray.get(self.actor.lora_id.remote(seed, scale))
 
     def identity(self):
         import ray

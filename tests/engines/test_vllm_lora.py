@@ -51,6 +51,7 @@ def engine(request, tiny_dense_path):
         pytest.skip(f"vllm: {reason}")
     ray = request.getfixturevalue("ray_session")
     ray.cloudpickle.register_pickle_by_value(sys.modules["conftest"])
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     actor = ray.remote(EngineHost).options(num_cpus=0).remote("vllm", tiny_dense_path,
                                                               SamplerConfig(backend="vllm", **CFG), (RANK, 4))
     remote = RemoteEngine(actor)
@@ -89,6 +90,21 @@ def test_vllm_serves_each_adapter_slot_as_the_learner_builds_it_without_reloadin
         drawn[(seed, scale)] = sample.logprobs
     assert drawn[(7, 1.0)] != drawn[(8, 1.0)]  # different adapter samples, different policies
     assert engine.identity() == before  # one engine throughout: slots never restart or reload it
+    # the weight check reads the adapter as vLLM holds it (loaded by the generate above)
+    assert engine.verify()
+    assert engine.run(_bump_lora_b, engine.lora_id(8, 1.0)) == [True]
+    assert not engine.verify()
+
+
+def _bump_lora_b(worker, lora_id: int) -> bool:
+    """Fault injection in the worker: one element of one lora_b of adapter `lora_id`, changed in place."""
+    import torch
+
+    layer = next(iter(worker.model_runner.lora_manager._adapter_manager._registered_adapters[lora_id].loras.values()))
+    b = layer.lora_b[0] if isinstance(layer.lora_b, list) else layer.lora_b
+    with torch.inference_mode():  # vLLM loaded it as an inference tensor
+        b.view(-1)[0] += 1.0
+    return True
 
 
 def test_vllm_samples_a_calls_adapter_slots_in_one_batch_as_each_served_alone(engine, learner):
