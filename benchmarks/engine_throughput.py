@@ -48,18 +48,24 @@ def slot_step(engine, prompts: list, slots: int, seconds: float, together: bool)
     while True:
         groups = [(NoiseSpec(engine.version, seed=100 + s),
                    _common.encoded_requests(engine.tokenizer, prompts, seed=calls)) for s in range(slots)]
-        if together:
-            out = [samples for _, _, samples in engine.generate_slots(groups, params)]
-        else:
-            out = []
-            for noise, requests in groups:
-                engine.serve(noise)
-                out.append(engine.generate(requests, params))
-                engine.verify()
-        tokens += sum(len(s.token_ids) for group in out for per_prompt in group for s in per_prompt)
+        tokens += sample_slots(engine, groups, params, together)
         calls += 1
         if time.perf_counter() - start >= seconds:
             return tokens, time.perf_counter() - start
+
+
+def sample_slots(engine, groups: list, params, together: bool) -> int:
+    """Generated tokens of one call's (slot, requests) `groups`: all in one `generate_slots`, or one
+    slot at a time (`serve`, `generate`, `verify`: what a sampler does for an engine without it)."""
+    if together:
+        out = [samples for _, _, samples in engine.generate_slots(groups, params)]
+    else:
+        out = []
+        for noise, requests in groups:
+            engine.serve(noise)
+            out.append(engine.generate(requests, params))
+            engine.verify()
+    return sum(len(s.token_ids) for group in out for per_prompt in group for s in per_prompt)
 
 
 def make_engine(model: str, threads: int, batch: int, engine_id: int = 0):

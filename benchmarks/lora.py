@@ -79,6 +79,8 @@ def engine_arm(model: str, rank: int, dtype: str, rows: int, seconds: float, bac
     import numpy as np
     import torch
 
+    from engine_throughput import sample_slots
+
     from threepo.algorithms.weight_checks import weights_checksum
     from threepo.services.engines.base import SamplerConfig
     from threepo.services.engines.hf import HFEngine
@@ -112,14 +114,7 @@ def engine_arm(model: str, rank: int, dtype: str, rows: int, seconds: float, bac
         tokens, calls, start = 0, 0, time.perf_counter()
         while True:
             groups = [(NoiseSpec(1, seed=100 + s), prompts[s * per:(s + 1) * per]) for s in range(slots)]
-            if getattr(engine, "slots_together", False):
-                out_ = [g for _, _, g in engine.generate_slots(groups, params)]
-            else:
-                out_ = []
-                for noise, requests in groups:
-                    engine.serve(noise)
-                    out_.append(engine.generate(requests, params))
-            tokens += sum(len(x.token_ids) for g in out_ for r in g for x in r)
+            tokens += sample_slots(engine, groups, params, getattr(engine, "slots_together", False))
             calls += 1
             if time.perf_counter() - start >= seconds:
                 break

@@ -151,9 +151,10 @@ def peft_tensors(tensors: dict) -> dict:
 
 
 def peft_config_dict(cfg: LoRAConfig) -> dict:
-    """The `adapter_config.json` of adapters of `cfg`, as a dict (SGLang's load-from-tensors takes it)."""
-    return {"peft_type": "LORA", "r": cfg.rank, "lora_alpha": cfg.alpha, "target_modules": list(cfg.target_modules),
-            "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM"}
+    """The `adapter_config.json` of adapters of `cfg` (the config `write_adapter` saves), as a dict of
+    plain values (SGLang's load-from-tensors takes it)."""
+    config = _peft_config(cfg).to_dict()
+    return {**config, "peft_type": config["peft_type"].value, "target_modules": sorted(config["target_modules"])}
 
 
 def adapter_config(tensors: dict, rank: int, alpha: float) -> LoRAConfig:

@@ -178,3 +178,31 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Release the engine's resources."""
+
+
+def received_adapters(engine_id: int, version: int, mean: Mapping, sigma: Mapping | None,
+                      mean_checksum: str) -> tuple[dict, dict | None]:
+    """A LoRA version's adapter m and σ as fp32 CPU tensors (views of the arrays handed in), m checked
+    against the checksum the learner published (raise WeightsMismatch): what the vLLM and SGLang
+    engines hold, adapter-sized, to build each slot's adapter sample from."""
+    import numpy as np
+    import torch
+
+    from threepo.algorithms.weight_checks import weights_checksum
+
+    def fp32(arrays: Mapping) -> dict:
+        return {n: torch.from_numpy(np.asarray(a, dtype=np.float32)) for n, a in arrays.items()}
+
+    held = fp32(mean)
+    checksum = weights_checksum(held.items())
+    if checksum != mean_checksum:
+        raise WeightsMismatch(f"engine {engine_id}: the mean of version {version} has checksum {checksum}, "
+                              f"the learner published {mean_checksum}")
+    return held, None if sigma is None else fp32(sigma)
+
+
+def check_version(engine_id: int, held: int, noise, loaded: bool = True) -> None:
+    """Raise unless slot `noise` (a NoiseSpec) is of the version the engine holds (`held`, `loaded`)."""
+    if noise.posterior_version != held or not loaded:
+        raise ValueError(f"engine {engine_id} holds version {held}, asked to serve "
+                         f"{noise.posterior_version}: load_version first")

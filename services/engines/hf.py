@@ -112,9 +112,10 @@ class HFEngine:
                                 {n: _tensor(a, self.device) for n, a in sigma.items()}, alpha / rank)
         except KeyError as error:
             raise WeightsMismatch(f"engine {self.engine_id}, version {version}: {error.args[0]}") from None
-        with torch.no_grad():
-            for n, p in self._params.items():
-                p.copy_(adapters.weight(n, None) if n in adapters.pairs else self._base[n])
+        if not self.lean:  # the parameters serve the merged mean (on the lean path the base set serves)
+            with torch.no_grad():
+                for n, p in self._params.items():
+                    p.copy_(adapters.weight(n, None) if n in adapters.pairs else self._base[n])
         self._adapters, self._mean = adapters, self._base
         self._taken(version, checksum, noise_rank, None if sigma is None else {})
 
@@ -128,7 +129,8 @@ class HFEngine:
     def _taken(self, version: int, checksum: str, noise_rank: int, sigma: dict | None) -> None:
         self.version, self.mean_checksum, self.noise_rank = version, checksum, noise_rank
         self._sigma = sigma  # read only; {} under LoRA: the adapters hold σ
-        self._mean_fingerprint = weight_checks.value_fingerprint(self.model.parameters())
+        if not self._adapter_slots:  # adapter slots check the base set and their terms instead
+            self._mean_fingerprint = weight_checks.value_fingerprint(self.model.parameters())
         if self.lean:
             self.bank.clear()
         self.serve(NoiseSpec(posterior_version=version, seed=None))
@@ -224,6 +226,10 @@ class HFEngine:
 
         samples = generate_slots(self.model, self.tokenizer, [r for _, r in groups], decoder, params,
                                  batch_size=self.cfg.batch_size, max_slots=self.bank.capacity, after=after)
+        return self._slot_results(groups, checks, samples)
+
+    def _slot_results(self, groups, checks: dict, samples: list) -> list:
+        """`generate_slots`'s answer from each group's (loaded, unchanged, ratio) and samples."""
         return [(ServeReport(self.version, noise.seed, self.mean_checksum, checks[i][0], checks[i][2],
                              scale=noise.scale), checks[i][1], samples[i]) for i, (noise, _) in enumerate(groups)]
 
@@ -248,8 +254,7 @@ class HFEngine:
 
         samples = generate_slots(self.model, self.tokenizer, [r for _, r in groups], decoder, params,
                                  batch_size=self.cfg.batch_size, max_slots=len(groups), after=after)
-        return [(ServeReport(self.version, noise.seed, self.mean_checksum, checks[i][0], checks[i][2],
-                             scale=noise.scale), checks[i][1], samples[i]) for i, (noise, _) in enumerate(groups)]
+        return self._slot_results(groups, checks, samples)
 
     @property
     def slots_together(self) -> bool:

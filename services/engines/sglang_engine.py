@@ -58,7 +58,7 @@ import numpy as np
 
 from threepo.algorithms.param_noise import estimated_noise_ratio
 from threepo.services.engines.base import (EngineRequest, GeneratedSample, SamplerConfig, ServeReport,
-                                           WeightsMismatch)
+                                           WeightsMismatch, check_version, received_adapters)
 from threepo.services.engines.sglang_loader import STATUS_ENV
 from threepo.services.engines.staging import remove_staged, stage_version, staging_dir
 from threepo.services.messages import NoiseSpec, SamplingParams
@@ -149,23 +149,13 @@ class SGLangEngine:
         """A LoRA version: the adapters' m and σ kept here (adapter-sized); each slot's adapter sample
         is loaded into SGLang by `load_lora_adapter_from_tensors` under its own name; the previous
         version's adapters are unloaded."""
-        import torch
-
-        from threepo.algorithms.weight_checks import weights_checksum
-
         if self.adapters is None:
             raise ValueError(f"engine {self.engine_id}: a LoRA version reached an SGLang engine started without "
                              "LoRA serving (the sampler starts it with [lora] rank > 0)")
-        held = {n: torch.from_numpy(np.asarray(a, dtype=np.float32)) for n, a in mean.items()}
-        checksum = weights_checksum(held.items())
-        if checksum != mean_checksum:
-            raise WeightsMismatch(f"engine {self.engine_id}: the mean of version {version} has checksum "
-                                  f"{checksum}, the learner published {mean_checksum}")
+        held, held_sigma = received_adapters(self.engine_id, version, mean, sigma, mean_checksum)
         for name in (self._lora or {}).get("loaded", {}).values():
             self.engine.unload_lora_adapter(name)
-        self._lora = {"mean": held, "noise_rank": noise_rank, "lora": lora, "loaded": {},
-                      "sigma": None if sigma is None else {n: torch.from_numpy(np.asarray(a, dtype=np.float32))
-                                                           for n, a in sigma.items()}}
+        self._lora = {"mean": held, "sigma": held_sigma, "noise_rank": noise_rank, "lora": lora, "loaded": {}}
         self.version, self.mean_checksum = version, mean_checksum
         self.report = self.serve(NoiseSpec(posterior_version=version, seed=None))
 
@@ -187,9 +177,7 @@ class SGLangEngine:
         return name, True, ""
 
     def serve(self, noise: NoiseSpec) -> ServeReport:
-        if noise.posterior_version != self.version or not self.mean_checksum:
-            raise ValueError(f"engine {self.engine_id} holds version {self.version}, asked to serve "
-                             f"{noise.posterior_version}: load_version first")
+        check_version(self.engine_id, self.version, noise, bool(self.mean_checksum))
         if self._lora is not None:
             _, ok, message = self._adapter(noise.seed, noise.scale)
             self.report = ServeReport(self.version, noise.seed, self.mean_checksum, ok, 1.0, detail=message,
@@ -249,9 +237,7 @@ class SGLangEngine:
                              "version; serve and generate them one at a time")
         reports, requests, adapters = [], [], []
         for noise, group in groups:
-            if noise.posterior_version != self.version:
-                raise ValueError(f"engine {self.engine_id} holds version {self.version}, asked to serve "
-                                 f"{noise.posterior_version}: load_version first")
+            check_version(self.engine_id, self.version, noise)
             name, ok, message = self._adapter(noise.seed, noise.scale)
             reports.append(ServeReport(self.version, noise.seed, self.mean_checksum, ok, 1.0, detail=message,
                                        scale=noise.scale))

@@ -168,32 +168,22 @@ class Adapters:
         decoder over the shared base (lean_decoder.py): {layer: (Â [S, r, in], B̂ [S, out, r])} in
         `dtype`; each slot's fingerprint of the values written; each slot's served-noise ratio of its
         adapter factors in `dtype` (1 for the means)."""
-        sigma = self.sigma or {}
         built: dict[str, list] = {}
         fed, ratios = [], []
         for seed, scale in keys:
-            parts, served, intended = [], 0.0, 0.0
-            for layer, names in self.pairs.items():
-                for name in names:
-                    noisy = seed is not None and name in sigma
-                    value = param_noise.perturbed(self.mean[name], sigma[name], seed, name, scale, rank=rank) if (
-                        noisy) else self.mean[name].float()
-                    cast = value.to(dtype)
-                    built.setdefault(name, []).append(cast)
-                    parts.append(weight_checks.value_fingerprint([cast]))
-                    if noisy and dtype != torch.float32:
-                        a, b = param_noise.served_noise_ratio(self.mean[name], value, dtype)
-                        served, intended = served + a, intended + b
-            fed.append(weight_checks.combined_fingerprint(parts))
-            ratios.append((served / intended) ** 0.5 if intended else 1.0)
+            values = param_noise.perturbed_state(self.mean, self.sigma or {}, seed, scale, rank)
+            cast = {n: v.to(dtype) for n, v in values.items()}
+            for n, t in cast.items():
+                built.setdefault(n, []).append(t)
+            fed.append(weight_checks.value_fingerprint(cast.values()))
+            ratios.append(param_noise.served_noise_ratio_of(self.mean, values, dtype))
         terms = {layer: (torch.stack(built[a]), torch.stack(built[b])) for layer, (a, b) in self.pairs.items()}
         return terms, fed, ratios
 
     def held(self, terms: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[int, int]]:
         """Each slot's fingerprint of the adapter values `terms` hold now (as `slot_terms` computed them)."""
         n_slots = next(iter(terms.values()))[0].shape[0]
-        return [weight_checks.combined_fingerprint([weight_checks.value_fingerprint([t[s]]) for layer in self.pairs
-                                                    for t in terms[layer]]) for s in range(n_slots)]
+        return [weight_checks.value_fingerprint(t[s] for pair in terms.values() for t in pair) for s in range(n_slots)]
 
     def weight(self, layer: str, seed: int | None, scale: float = 1.0, rank: int = 0) -> torch.Tensor:
         """W0 + s · B̂ Â of `layer` in fp32 (the adapter means for seed None)."""

@@ -49,7 +49,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from threepo.services.engines.base import (EngineRequest, GeneratedSample, SamplerConfig, ServeReport,
-                                           WeightsMismatch)
+                                           WeightsMismatch, check_version, received_adapters)
 from threepo.services.engines.staging import remove_staged, stage_version, staging_dir
 from threepo.services.messages import NoiseSpec, SamplingParams
 
@@ -133,33 +133,21 @@ class VLLMEngine:
                    mean_checksum: str, noise_rank: int, lora: tuple[int, float]) -> None:
         """A LoRA version: the adapters' m and σ, kept here (adapter-sized); each slot is written as a
         PEFT adapter directory that vLLM loads beside the base it never reloads."""
-        import torch
-
-        from threepo.algorithms.weight_checks import weights_checksum
-
         if self.adapters is None:
             raise ValueError(f"engine {self.engine_id}: a LoRA version reached a vLLM engine started without "
                              "LoRA serving (the sampler starts it with [lora] rank > 0)")
         if lora[0] > self.adapters[0]:
             raise ValueError(f"engine {self.engine_id}: LoRA rank {lora[0]} > the rank it was started for ({self.adapters[0]})")
-        held = {n: torch.from_numpy(np.asarray(a, dtype=np.float32)) for n, a in mean.items()}
-        checksum = weights_checksum(held.items())
-        if checksum != mean_checksum:
-            raise WeightsMismatch(f"engine {self.engine_id}: the mean of version {version} has checksum "
-                                  f"{checksum}, the learner published {mean_checksum}")
-        previous = self._lora
-        self._lora = LoRAVersion(version, held, None if sigma is None else {
-            n: torch.from_numpy(np.asarray(a, dtype=np.float32)) for n, a in sigma.items()}, lora, noise_rank,
-            self.model_path, f"threepo-vllm-lora-{os.getpid()}-{self.engine_id}-v{version}", previous, self.dtype,
+        held, held_sigma = received_adapters(self.engine_id, version, mean, sigma, mean_checksum)
+        self._lora = LoRAVersion(version, held, held_sigma, lora, noise_rank, self.model_path,
+                                 f"threepo-vllm-lora-{os.getpid()}-{self.engine_id}-v{version}", self._lora, self.dtype,
             None if self.cfg.tensor_parallel_size > 1 else
             (lambda lora_id: self.llm.collective_rpc("threepo_lora_fingerprint", args=(lora_id,))))
         self.version, self.mean_checksum = version, mean_checksum
         self.report = self.serve(NoiseSpec(posterior_version=version, seed=None))
 
     def serve(self, noise: NoiseSpec) -> ServeReport:
-        if noise.posterior_version != self.version or not self.mean_checksum:
-            raise ValueError(f"engine {self.engine_id} holds version {self.version}, asked to serve "
-                             f"{noise.posterior_version}: load_version first")
+        check_version(self.engine_id, self.version, noise, bool(self.mean_checksum))
         if self._lora is not None:
             ok, ratio = self._lora.stage(noise.seed, noise.scale)
             self.report = ServeReport(self.version, noise.seed, self.mean_checksum, ok, ratio, scale=noise.scale)
@@ -207,9 +195,7 @@ class VLLMEngine:
                              "version; serve and generate them one at a time")
         prompts, sampling, loras, reports, counts = [], [], [], [], []
         for noise, requests in groups:
-            if noise.posterior_version != self.version:
-                raise ValueError(f"engine {self.engine_id} holds version {self.version}, asked to serve "
-                                 f"{noise.posterior_version}: load_version first")
+            check_version(self.engine_id, self.version, noise)
             ok, ratio = self._lora.stage(noise.seed, noise.scale)
             reports.append(ServeReport(self.version, noise.seed, self.mean_checksum, ok, ratio, scale=noise.scale))
             p, s = self._inputs(requests, params, noise.seed, noise.scale)
@@ -263,8 +249,8 @@ class LoRAVersion:
     engine build them), under `staging_dir()/<stem>-<seed>x<c>`, and named to vLLM by a `LoRARequest`
     whose id is new for every (version, slot); vLLM casts them to the served dtype (its `lora_dtype`
     default), which the served-noise ratio accounts for. The weight check (`holds`): the fingerprint of
-    the values written against the file read back, and, once vLLM has loaded the adapter (at the first
-    request naming it), against what its worker holds: Â and s · B̂ in the served dtype, the scaling
+    the values written against the file read back until vLLM has loaded the adapter (at the first
+    request naming it), then against what its worker holds: Â and s · B̂ in the served dtype, the scaling
     folded into lora_b as vLLM's `LoRALayerWeights.optimize` does (one rank; with tensor parallelism
     each rank holds shards, and the file check alone applies). The previous version's directories are removed when this
     version is taken (vLLM read them when their slots were served; an older version's requests are
@@ -321,16 +307,18 @@ class LoRAVersion:
         return self.slots[(seed, scale)][0]
 
     def holds(self, seed: int | None, scale: float) -> bool:
-        """Does slot (seed, c)'s adapter file hold exactly the values computed for it?"""
+        """Does slot (seed, c)'s adapter hold exactly the values computed for it: as vLLM's workers hold
+        it once they loaded it, else (not loaded yet, or workers holding shards) as its file does?"""
         from safetensors.torch import load_file
 
         from threepo.algorithms import weight_checks
 
         request, directory, fingerprint, _, loaded = self.slots[(seed, scale)]
+        held = [] if self.held is None else self.held(request.lora_int_id)
+        if held and all(h is not None for h in held):  # what serves: no need to read the file again
+            return all(tuple(h) == loaded for h in held)
         written = load_file(os.path.join(directory, "adapter_model.safetensors"))
-        held = [] if self.held is None else [h for h in self.held(request.lora_int_id) if h is not None]
-        return weight_checks.value_fingerprint(written.values()) == fingerprint and all(
-            tuple(h) == loaded for h in held)
+        return weight_checks.value_fingerprint(written.values()) == fingerprint
 
     def remove(self) -> None:
         import shutil

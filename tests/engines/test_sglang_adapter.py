@@ -91,21 +91,11 @@ def test_a_version_reaches_the_workers_as_a_staged_file_not_as_tensors(tiny_dens
 def test_a_lora_version_is_served_as_sglang_adapters_loaded_from_tensors_as_the_learner_builds_them(tiny_dense_path):
     # the fake applies a request's adapter as SGLang does (W0 x + s B A x); the adapter's calls are
     # 0.5.23's: enable_lora at start, load_lora_adapter_from_tensors / unload_lora_adapter, lora_path per request
-    from threepo.algorithms.noise_mask import NoiseConfig
-    from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig
-    from threepo.services.learner.core import Learner
+    from lora_learners import ivon_lora_learner
+
     from threepo.services.lora import LoRAConfig
 
-    learner = Learner(tiny_dense_path, AlgoConfig(exploration="c3po", n_slots=2, group_size=8),
-                      OptimConfig(name="ivon", lr=1.0, ess=1e4, hess_init=0.1), SyncConfig(max_staleness=1),
-                      temperature=1.0, max_new_tokens=10, lora=LoRAConfig(rank=4, alpha=8.0),
-                      noise=NoiseConfig(target_kl=0.0))
-    gen = torch.Generator().manual_seed(9)
-    with torch.no_grad():
-        for n, p in learner.named:
-            if ".lora_B." in n:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-            learner.optimizer.ivon.state[n]["mean"].copy_(p)
+    learner = ivon_lora_learner(tiny_dense_path, LoRAConfig(rank=4, alpha=8.0), nudge_seed=9)
     model = learner.model.eval()
     pv = learner.published()
     eng = SGLangEngine(tiny_dense_path, SamplerConfig(backend="sglang"), engine_factory=FakeSGLangEngine,

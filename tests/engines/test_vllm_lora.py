@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import CFG, EngineHost, RemoteEngine, _missing
+from lora_learners import ivon_lora_learner
 
 from threepo.services.engines.base import EngineRequest, SamplerConfig
 from threepo.services.messages import NoiseSpec, SamplingParams
@@ -25,21 +26,9 @@ RANK, ALPHA = 4, 8.0
 
 @pytest.fixture(scope="module")
 def learner(tiny_dense_path):
-    from threepo.algorithms.noise_mask import NoiseConfig
-    from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig
-    from threepo.services.learner.core import Learner
     from threepo.services.lora import LoRAConfig
 
-    learner = Learner(tiny_dense_path, AlgoConfig(exploration="c3po", n_slots=2, group_size=8),
-                      OptimConfig(name="ivon", lr=1.0, ess=1e4, hess_init=0.1), SyncConfig(max_staleness=1),
-                      temperature=1.0, max_new_tokens=10, lora=LoRAConfig(rank=RANK, alpha=ALPHA),
-                      noise=NoiseConfig(target_kl=0.0))
-    gen = torch.Generator().manual_seed(9)
-    with torch.no_grad():  # B ≠ 0: the adapters change the policy
-        for n, p in learner.named:
-            if ".lora_B." in n:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-            learner.optimizer.ivon.state[n]["mean"].copy_(p)
+    learner = ivon_lora_learner(tiny_dense_path, LoRAConfig(rank=RANK, alpha=ALPHA), nudge_seed=9)  # B ≠ 0
     learner.model.eval()
     return learner
 

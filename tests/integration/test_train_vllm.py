@@ -24,14 +24,20 @@ SHORT = ["sampler.backend=vllm", "runtime.num_samplers=1", "runtime.sampler_cpus
          "sampler.max_new_tokens=12"]
 
 
-def test_a_short_c3po_run_on_vllm_engines(ray_session, tmp_path, tiny_dense_path):
-    cfg = load_config(None, [f"model.path={tiny_dense_path}", f"runs_dir={tmp_path}", *SHORT])
+def _short_run(tmp_path, model: str, *overrides: str) -> tuple[dict, list[dict]]:
+    """A 4-step run of `SHORT` (+ `overrides`): its summary and metrics rows, every rollout consumed."""
+    cfg = load_config(None, [f"model.path={model}", f"runs_dir={tmp_path}", *SHORT, *overrides])
     run_dir = make_run_dir(cfg, "train")
-    summary = train(cfg, run_dir, tiny_dense_path)
+    summary = train(cfg, run_dir, model)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert summary["admitted_rollouts"] == summary["consumed_rollouts"] == 4 * 2 * 8
+    return summary, rows
+
+
+def test_a_short_c3po_run_on_vllm_engines(ray_session, tmp_path, tiny_dense_path):
+    summary, rows = _short_run(tmp_path, tiny_dense_path)
     assert summary["rejected_weights"] == 0  # every completion came from a verified load of a published mean
     # each step published a version, which reached the engine while it was sampling the next ones
     assert summary["version"] == 4 and max(r["staleness_max"] for r in rows) <= 2 and rows[-1]["version"] >= 2
@@ -41,13 +47,7 @@ def test_a_short_c3po_run_on_vllm_engines(ray_session, tmp_path, tiny_dense_path
 def test_a_short_c3po_lora_run_serves_adapter_slots_on_vllm(ray_session, tmp_path, tiny_dense_path):
     # an IVON posterior over rank-4 adapters: versions are the adapters' m and σ, each slot a LoRA
     # adapter vLLM loads beside the base it never reloads, a call's slots sampled in one generate
-    cfg = load_config(None, [f"model.path={tiny_dense_path}", f"runs_dir={tmp_path}", *SHORT, "lora.rank=4"])
-    run_dir = make_run_dir(cfg, "train")
-    summary = train(cfg, run_dir, tiny_dense_path)
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert summary["admitted_rollouts"] == summary["consumed_rollouts"] == 4 * 2 * 8
+    summary, rows = _short_run(tmp_path, tiny_dense_path, "lora.rank=4")
     assert summary["rejected_weights"] == 0 and summary["version"] == 4 and rows[-1]["sigma_p50"] > 0
     full_mb = 8 * sum(p.numel() for p in load_model(tiny_dense_path).parameters()) / 2**20
     assert 0 < summary["version_mb"] < full_mb / 4

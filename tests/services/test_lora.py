@@ -17,6 +17,7 @@ from threepo.services.learner.core import Learner
 from threepo.services.lora import LoRAConfig, attach, merged_weights
 from threepo.services.modeling import load_model, load_tokenizer, trainable_named_parameters
 
+from lora_learners import ivon_lora_learner, nudge_adapters as _nudge_adapters  # tests/ is on sys.path
 from test_learner import _groups, _step  # the learner tests' rollouts (tests/services is on sys.path)
 
 LORA = LoRAConfig(rank=4, alpha=8.0)
@@ -31,15 +32,6 @@ def _lora_learner(path, lora=LORA):
 @pytest.fixture(scope="module")
 def sampler(tiny_dense_path):
     return load_model(tiny_dense_path).eval(), load_tokenizer(tiny_dense_path)
-
-
-def _nudge_adapters(model, seed=0):
-    """B is zero at the start (the adapted model is the base): give every adapter a non-zero term."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_B." in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
 
 
 def test_merged_weights_are_the_adapted_model_under_the_models_own_names(tiny_dense_path):
@@ -225,11 +217,7 @@ def test_ivon_on_adapters_equals_ivon_on_the_adapter_tensors_of_w0_plus_s_b_a():
 
 
 def _ivon_lora_learner(path, lora=LORA):
-    from threepo.algorithms.noise_mask import NoiseConfig
-
-    return Learner(path, AlgoConfig(exploration="c3po", n_slots=2, group_size=8),
-                   OptimConfig(name="ivon", lr=1.0, ess=1e4, hess_init=0.1), SyncConfig(max_staleness=1),
-                   temperature=1.0, max_new_tokens=10, lora=lora, noise=NoiseConfig(target_kl=0.0))
+    return ivon_lora_learner(path, lora)
 
 
 def _lora_groups(sampler, learner):
@@ -293,10 +281,7 @@ def test_adapter_slots_decoded_together_sample_as_each_served_alone(sampler, tin
     from threepo.services.engines.hf import HFEngine
     from threepo.services.messages import NoiseSpec, SamplingParams
 
-    learner = _ivon_lora_learner(tiny_dense_path)
-    _nudge_adapters(learner.model, seed=9)  # B ≠ 0 so the slots differ in both factors
-    for n, p in learner.named:
-        learner.optimizer.ivon.state[n]["mean"].copy_(p.detach())
+    learner = ivon_lora_learner(tiny_dense_path, LORA, nudge_seed=9)  # B ≠ 0 so the slots differ in both factors
     pv = learner.published()
     engine = HFEngine(tiny_dense_path, SamplerConfig(batch_size=8, seed=3))
     engine.load_version(2, pv.mean, pv.sigma, pv.mean_checksum, lora=pv.lora)
