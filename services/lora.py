@@ -6,11 +6,12 @@ each target linear layer W given a trainable low-rank term, W x + (α / r) · B 
 model keeps its class and its `base_model`, so every forward of services/prefix_forward.py runs
 unchanged) and freezes everything else; its trainable parameters are then the adapters alone.
 `merged_weights` is the model with each adapter folded in, W + (α / r) · B A, under the model's own
-parameter names: what the learner publishes and exports, so every engine serves it as it serves any
-full model. `save_adapter` writes the adapters as a PEFT adapter directory (`adapter_config.json`,
-`adapter_model.safetensors`) that `peft.PeftModel.from_pretrained` and vLLM's LoRA loader read
-(services/modeling.py `adapter_checkpoint` turns such a directory back into a full checkpoint, which
-is how `model.path` accepts one).
+parameter names: what the learner exports (and publishes where versions are not adapter-sized).
+`save_adapter` / `write_adapter` write adapters as a PEFT adapter directory (`adapter_config.json`,
+`adapter_model.safetensors`) that `peft.PeftModel.from_pretrained` and vLLM's LoRA loader read (the
+vLLM engine stages each slot this way; `peft_tensors` and `peft_config_dict` are the same adapter for
+SGLang's load-from-tensors); services/modeling.py `adapter_checkpoint` turns such a directory back
+into a full checkpoint, which is how `model.path` accepts one.
 
 Not here: which optimizer trains the adapters (services/learner/optimizers.py). Importing this module
 imports neither torch nor peft (the configuration reads `LoRAConfig` and `check_lora`).

@@ -13,10 +13,11 @@ owns its state and answers everything the step asks of an optimizer, whichever i
   (services/learner/zero.py): DeepSpeed reduces, clips and steps its partition.
 - `LoRAAdamW` (adamw with lora.rank > 0): AdamW on the adapters alone (services/lora.py), the base
   frozen; a version publishes the adapters alone with `adapter` = (r, α) where the engines serve
-  adapters (the hf engine), else the model with the adapters merged, under its own parameter names.
+  adapters over their base (every engine, in a run), else the model with the adapters merged, under its
+  own parameter names.
 - `LoRAIVONPosterior` (ivon with lora.rank > 0): IVON's posterior over the adapters alone, the base
   frozen: slots and gradient points are adapter samples (Â, B̂), and a version publishes the
-  adapters' (m, σ) with `adapter` = (r, α), which the hf engine serves over the base it loaded once.
+  adapters' (m, σ) with `adapter` = (r, α), which every engine serves over the base it loaded once.
 
 The interface (what services/learner/core.py calls): `variational`, `at(seed, train, scale, served)`,
 `backward(loss)`, `step()`, `expert_grads()` (what VP2O transforms), `whole()`, `published()`,
@@ -44,7 +45,7 @@ def make_optimizer(model: torch.nn.Module, named: list, optim: OptimConfig, rank
     """The optimizer object of `optim.name`, placed on `ranks` (DeepSpeed at `deepspeed_stage` ≥ 0);
     a posterior serves noise on the weights `noise` selects; `lora.rank` > 0: `named` are the adapters
     of `model` (services/lora.py), and AdamW's versions are the adapters alone where
-    `adapter_versions` (the engines serve adapters over their base: the hf engine), else the merged model."""
+    `adapter_versions` (the engines serve adapters over their base), else the merged model."""
     match optim.name, deepspeed_stage >= 0, lora.rank > 0:
         case "ivon", False, False:
             return IVONPosterior(named, optim, ranks, noise)
