@@ -26,9 +26,12 @@ def init_ray(cfg: RunConfig) -> None:
         extra["_metrics_export_port"] = rt.metrics_port
     if rt.metrics_host == "127.0.0.1":
         _local_node_on_loopback()
-    # address="local": a new cluster, never one another process on this machine started last
+    # address="local": a new cluster, never one another process on this machine started last; no
+    # workers prestarted for the driver (Ray's default starts one per CPU, which no role uses: every
+    # role is an actor with a worker of its own; on 2 cores they held 0.7 GiB, benchmarks/real_model.py)
     _start_local(num_cpus=max(os.cpu_count() or 2, _cpus_needed(cfg)), include_dashboard=False,
-                 log_to_driver=False, runtime_env={"env_vars": ACTOR_ENV}, **extra)
+                 log_to_driver=False, runtime_env={"env_vars": ACTOR_ENV},
+                 _system_config={"prestart_worker_first_driver": False}, **extra)
     port = ray.nodes()[0]["MetricsExportPort"]
     taken = f" (runtime.metrics_port={rt.metrics_port} was taken)" if rt.metrics_port not in (0, port) else ""
     print(f"threepo: Prometheus metrics at http://{rt.metrics_host}:{port}/metrics{taken}")
