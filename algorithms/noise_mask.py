@@ -13,8 +13,8 @@ any dtype). `noised_names` chooses them:
 - `layers` (first, last): the decoder layers noised, inclusive; negative counts from the end
   (-1: the last layer). A tensor outside any decoder layer is noised only under "everything".
 
-`MaskedSigma` is σ with zeros outside the mask: what the learner publishes for the engines and what
-it rebuilds a served slot with. `NoiseConfig` is the run's `[noise]` section: the mask, and how much
+`MaskedSigma` is σ on the noised tensors alone (zero, by absence, elsewhere): what the learner
+publishes for the engines and what it rebuilds a served slot with. `NoiseConfig` is the run's `[noise]` section: the mask, and how much
 noise a slot serves (the target KL its scale is held at: services/learner/noise_control.py) and of
 what rank (param_noise.low_rank_noise). Importing this module imports no torch (the config reads it).
 """
@@ -112,19 +112,19 @@ class NoiseConfig:
 
 
 class MaskedSigma(Mapping):
-    """σ of `sigmas` on the names in `noised`, zeros of its shape elsewhere (read when indexed)."""
+    """σ of `sigmas` on the names in `noised` alone, read when indexed (in `sigmas`' order); a name
+    outside the mask is absent: σ is zero there and a slot serves m (nothing drawn, nothing sent)."""
 
     def __init__(self, sigmas: Mapping, noised: set[str]) -> None:
         self.sigmas, self.noised = sigmas, noised
 
     def __getitem__(self, name: str):
-        import torch  # importing this module stays free: the config reads NoiseConfig from it
-
-        sigma = self.sigmas[name]
-        return sigma if name in self.noised else torch.zeros_like(sigma)
+        if name not in self.noised:
+            raise KeyError(name)
+        return self.sigmas[name]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.sigmas)
+        return (name for name in self.sigmas if name in self.noised)
 
     def __len__(self) -> int:
-        return len(self.sigmas)
+        return sum(1 for _ in self)

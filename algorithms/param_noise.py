@@ -162,9 +162,11 @@ def load_perturbed(params: Iterable[tuple[str, torch.Tensor]], means: Mapping[st
                    sigmas: Mapping[str, torch.Tensor], seed: int | None, scale: float = 1.0, rank: int = 0) -> None:
     """p ← θ̂ = m + c · σ ⊙ z(seed, name) for every (name, p) of `params`, in p's dtype (fp32
     parameters written in place, no copy; z drawn tensor by tensor, none held; of rank `rank` > 0 per
-    matrix: `perturbed`)."""
+    matrix: `perturbed`); p ← m where `sigmas` lacks the name (no noise there, none drawn)."""
     for name, p in params:
-        if p.dtype == torch.float32:
+        if name not in sigmas:
+            p.copy_(means[name])
+        elif p.dtype == torch.float32:
             perturbed(means[name], sigmas[name], seed, name, scale, out=p.data, rank=rank)
         else:
             p.copy_(perturbed(means[name], sigmas[name], seed, name, scale, rank=rank))

@@ -299,7 +299,8 @@ class PublishedVersion:
     learner_step: int
     reason: str
     mean: dict  # {name: np.ndarray fp32}
-    sigma: dict | None  # {name: np.ndarray fp32}; None when the optimizer has no posterior (AdamW)
+    sigma: dict | None  # {name: np.ndarray fp32} of the tensors slots perturb (the noise mask), a subset of
+    # mean's names; None when the optimizer has no posterior (AdamW)
     mean_checksum: str
     slots: tuple | None = None  # ((seed, scale), ...) one per slot
     noise_rank: int = 0

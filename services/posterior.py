@@ -264,7 +264,9 @@ def load_posterior(directory: str, cfg: PosteriorConfig | None = None) -> Poster
     for v in state["versions"]:
         n = v["version"]
         v["mean"] = {name: tensors[f"v{n}/mean/{name}"] for name in v["names"]}
-        v["sigma"] = {name: tensors[f"v{n}/sigma/{name}"] for name in v["names"]} if v["has_sigma"] else None
+        # σ of the tensors it was published for (the noise mask's: a subset of the mean's names)
+        v["sigma"] = ({name: tensors[f"v{n}/sigma/{name}"] for name in v["names"] if f"v{n}/sigma/{name}" in tensors}
+                      if v["has_sigma"] else None)
         v["refcount"] = 0
     return PosteriorServer.from_state(state, cfg)
 

@@ -3,9 +3,10 @@
 Decoding is our own loop (engines/decoding.py): exact behaviour log-probs of the sampling
 distribution, a counter stream per request seed, any of the call's stop tokens ends a row. Two paths. On the families the lean decoder implements (engines/lean_decoder.py: Llama, Mistral,
 Qwen2, Qwen3) the model's parameters are views of one flat weight set holding the mean, each slot
-θ̂ is built into a row of a `SlotBank` (engines/slot_bank.py, bounded in bytes) and decoded from
-there, and `generate_slots` decodes a call's several slots in shared forward passes, each row under
-its own slot. A prompt repeated under one slot (a request's n samples) is prefilled once. On other
+θ̂ is built into a row of a `SlotBank` (engines/slot_bank.py, bounded in bytes) holding the tensors σ
+covers (those a slot perturbs: `lean_decoder.slot_names`), the rest read from the mean set, and
+`generate_slots` decodes a call's several slots in shared forward passes, each row under its own
+slot. A prompt repeated under one slot (a request's n samples) is prefilled once. On other
 architectures (the MoE model of VP2O, for one) a slot is written into the model's parameters in
 place and decoded with transformers' forward, one slot at a time.
 
@@ -53,7 +54,8 @@ class HFEngine:
             self.layout = WeightLayout.of(self.model, list(dict(self.model.named_parameters())))
             self._mean_set = torch.empty(1, self.layout.numel, dtype=self.dtype, device=self.device)
             lean_decoder.bind(self.model, self.layout, self._mean_set[0])
-            self.bank = SlotBank(self.layout, self.dtype, cfg.slot_cache_mb << 20, self.device)
+            self.bank: SlotBank | None = None  # the slots' own tensors, laid out anew by each σ's names
+            self._lay_out_bank([])  # before any σ: a slot is the mean, every tensor read from its set
         self._params = dict(trainable_named_parameters(self.model))
         # m, which slots are built from: until the first version the parameters as the model holds them
         # (before it no noised slot is served: version 0 has no σ), then the published fp32 arrays (views
@@ -87,8 +89,11 @@ class HFEngine:
         if not (self.lean and self.dtype == torch.float32):
             self._mean = received
         self._adapters, self._base, self._pristine = None, None, False  # the parameters no longer hold the base
+        stray = sorted(set(sigma or {}) - set(self._params))
+        if stray:
+            raise WeightsMismatch(f"posterior version {version}: sigma names tensors the model does not train: {stray[:5]}")
         self._taken(version, checksum, noise_rank,
-                    None if sigma is None else {n: _tensor(sigma[n], self.device) for n in self._params})
+                    None if sigma is None else {n: _tensor(a, self.device) for n, a in sigma.items()})
 
     def _load_adapters(self, version: int, mean: Mapping[str, np.ndarray], sigma: Mapping[str, np.ndarray] | None,
                        mean_checksum: str, noise_rank: int, lora: tuple[int, float]) -> None:
@@ -131,9 +136,29 @@ class HFEngine:
         self._sigma = sigma  # read only; {} under LoRA: the adapters hold σ
         if not self._adapter_slots:  # adapter slots check the base set and their terms instead
             self._mean_fingerprint = weight_checks.value_fingerprint(self.model.parameters())
-        if self.lean:
-            self.bank.clear()
+        if self.lean and sigma is not None:
+            self._lay_out_bank(list(sigma))
         self.serve(NoiseSpec(posterior_version=version, seed=None))
+
+    def _lay_out_bank(self, noised: list[str]) -> None:
+        """A new version's slots: the bank emptied, laid out afresh where σ covers other tensors than
+        the last version's; the fingerprint of the mean set's tensors the slots read from it (kept in
+        `_shared_fingerprint`)."""
+        names = lean_decoder.slot_names(self.layout, noised)
+        if self.bank is None or list(self.bank.layout.spans) != names:
+            self.bank = SlotBank(WeightLayout.of(self.model, names), self.dtype, self.cfg.slot_cache_mb << 20,
+                                 self.device)
+        self.bank.clear()
+        views = self.layout.views(self._mean_set[0])
+        self._shared_fingerprint = weight_checks.value_fingerprint(
+            views[n] for n in views if n not in self.bank.layout.spans)
+
+    def _shared_intact(self) -> bool:
+        """Do the mean set's tensors that slots read from it still hold what they held at the version's
+        load (lean path)?"""
+        views = self.layout.views(self._mean_set[0])
+        return weight_checks.value_fingerprint(
+            views[n] for n in views if n not in self.bank.layout.spans) == self._shared_fingerprint
 
     def serve(self, noise: NoiseSpec) -> ServeReport:
         self._check_slot(noise)
@@ -151,7 +176,8 @@ class HFEngine:
             if not self.bank.holds(row):  # changed since it was built: serving loads it afresh
                 self.bank.forget((noise.seed, noise.scale))
                 row = self._rows([noise])[0]
-            ok, ratio = self.bank.loaded(row) and self.bank.holds(row), self.bank.ratio(row)
+            ok = self.bank.loaded(row) and self.bank.holds(row) and self._shared_intact()
+            ratio = self.bank.ratio(row)
         else:
             ratio, fed = self._write_model(noise)
             ok = weight_checks.value_fingerprint(self.model.parameters()) == fed
@@ -193,9 +219,13 @@ class HFEngine:
         return self.bank.place([(s.seed, s.scale) for s in slots], build)
 
     def _mean_by_layout(self) -> dict[str, torch.Tensor]:
-        """m for every name of the layout (frozen parameters: as the model holds them)."""
+        """m for every name of the bank's layout (frozen parameters: as the model holds them)."""
         params = dict(self.model.named_parameters())
-        return {n: self._mean[n] if n in self._mean else params[n].detach() for n in self.layout.spans}
+        return {n: self._mean[n] if n in self._mean else params[n].detach() for n in self.bank.layout.spans}
+
+    def _slot_decoder(self, rows: Sequence[int]) -> LeanDecoder:
+        """A decoder over the bank's `rows`, each slot's own tensors, and the mean set for the rest."""
+        return LeanDecoder(self.model, self.layout, self._mean_set, slots=(self.bank.layout, self.bank.sets(rows)))
 
     def generate_slots(self, groups: Sequence[tuple[NoiseSpec, Sequence[EngineRequest]]],
                        params: SamplingParams) -> list[tuple[ServeReport, bool, list[list[GeneratedSample]]]]:
@@ -215,12 +245,14 @@ class HFEngine:
         def decoder(indices: tuple[int, ...]) -> LeanDecoder:
             rows = self._rows([groups[i][0] for i in indices])
             decoder.rows = rows
-            return LeanDecoder(self.model, self.layout, self.bank.sets(rows))
+            return self._slot_decoder(rows)
 
         def after(indices: tuple[int, ...]) -> None:  # before a later pass may reuse the rows
+            shared = self._shared_intact()
             for i, row in zip(indices, decoder.rows):
                 held = checks.get(i, (True, True, 1.0))
-                checks[i] = (held[0] and self.bank.loaded(row), held[1] and self.bank.holds(row), self.bank.ratio(row))
+                checks[i] = (held[0] and self.bank.loaded(row), held[1] and shared and self.bank.holds(row),
+                             self.bank.ratio(row))
                 if not all(checks[i][:2]):
                     self.bank.forget((groups[i][0].seed, groups[i][0].scale))  # built afresh next time
 
@@ -266,8 +298,8 @@ class HFEngine:
         if self._adapter_slots:
             lean = self._adapter_decoder(self._terms[0])
         elif self.lean:
-            served = self._mean_set if self._serving.seed is None else self.bank.sets(self._rows([self._serving]))
-            lean = LeanDecoder(self.model, self.layout, served)
+            lean = (LeanDecoder(self.model, self.layout, self._mean_set) if self._serving.seed is None
+                    else self._slot_decoder(self._rows([self._serving])))
         return generate(self.model, self.tokenizer, requests, params, batch_size=self.cfg.batch_size, lean=lean)
 
     def served(self) -> dict[str, torch.Tensor]:
@@ -279,7 +311,8 @@ class HFEngine:
             return {n: a.weight(n, noise.seed, noise.scale, self.noise_rank).to(self.dtype) if n in a.pairs else a.base[n]
                     for n in self._params}
         if self.lean and self._serving.seed is not None:
-            return self.layout.views(self.bank.rows[self._rows([self._serving])[0]])
+            own = self.bank.layout.views(self.bank.rows[self._rows([self._serving])[0]])
+            return {n: own.get(n, view) for n, view in self.layout.views(self._mean_set[0]).items()}
         return {n: p.detach() for n, p in self.model.named_parameters()}
 
     def verify(self) -> bool:
@@ -291,7 +324,7 @@ class HFEngine:
         if self._serving.seed is None:
             return weight_checks.value_fingerprint(self.model.parameters()) == self._mean_fingerprint
         if self.lean:
-            return self.bank.holds(self._rows([self._serving])[0])
+            return self.bank.holds(self._rows([self._serving])[0]) and self._shared_intact()
         return weight_checks.value_fingerprint(self.model.parameters()) == self._slot_fingerprint
 
     def close(self) -> None:

@@ -13,9 +13,15 @@ and the LM head, in transformers' order — its logits equal transformers' to fp
 Weights live in one flat buffer per weight set (`WeightLayout`): every parameter is a view of it,
 and the parameters that one matmul uses together (q/k/v, gate/up) are consecutive, so the fused
 matrix is a view too. S weight sets are a [S, numel] tensor: a decoder over S slots (one posterior
-sample θ̂_s each) decodes S equal groups of rows in one pass, rows [s·b, (s+1)·b) with set s, every
-matmul one batched matmul over the S sets' views — nothing is copied to stack them. A C3PO call
-that samples several slots therefore decodes them in one batch instead of one batch per slot.
+sample θ̂_s each) decodes S equal groups of rows in one pass, rows [s·b, (s+1)·b) with set s, each
+matmul one per set over its view — nothing is copied to stack them (one `mm` per set: a batched
+matmul over views strided by a whole weight set ran ~10x slower in bf16 on the CPU). A C3PO call that
+samples several slots therefore decodes them in one batch instead of one batch per slot.
+
+Slots that perturb only some tensors (a noise mask: embeddings, head and norms never carry noise)
+hold only those in their sets (`slots` = (their layout, [S, n]); `slot_names`): every other tensor is
+read from the one shared set, its matmul one over all S·b rows — the head, the largest, is read once
+per step whatever S is.
 
 Slots that are LoRA adapter samples (services/engines/slot_bank.py `Adapters`) share one base set
 instead: `adapters[name] = (Â [S, r, in], B̂ [S, out, r])` per adapted weight, and each projection is
@@ -98,6 +104,18 @@ class WeightLayout:
             sets[:, at:at + rows].view(sets.shape[0], 1, rows)
 
 
+def slot_names(layout: WeightLayout, noised) -> list[str]:
+    """The tensors a slot's own set holds when `noised` are the ones it perturbs: those, with every
+    member of a fused group (q/k/v, gate/up) any of them belongs to (a fused matmul reads one set),
+    in `layout`'s order."""
+    noised, whole = set(noised), set()
+    for at, rows, cols in layout.fused.values():
+        members = [n for n, (start, _) in layout.spans.items() if at <= start < at + rows * cols]
+        if noised.intersection(members):
+            whole.update(members)
+    return [n for n in layout.spans if n in noised or n in whole]
+
+
 def bind(model, layout: WeightLayout, row: torch.Tensor) -> None:
     """Make the model's parameters views of the flat weight set `row` [numel] (values copied in)."""
     views = layout.views(row)
@@ -110,25 +128,44 @@ def bind(model, layout: WeightLayout, row: torch.Tensor) -> None:
 
 class LeanDecoder:
     """Prefill and one-token decode steps of `model` under the weight sets `sets` [S, numel] laid out
-    by `layout` (see the module docstring); `model` gives the architecture and the rotary module."""
+    by `layout` (see the module docstring); `model` gives the architecture and the rotary module.
+    With `slots` = (slot layout, [S, n]) the tensors of the slot layout are each slot's own and the
+    rest are read from `sets`, then one shared set [1, numel]."""
 
     def __init__(self, model, layout: WeightLayout, sets: torch.Tensor, adapters: dict | None = None,
-                 scaling: float = 1.0) -> None:
+                 scaling: float = 1.0, slots: tuple[WeightLayout, torch.Tensor] | None = None) -> None:
         cfg = model.config
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.eps, self.n_slots, self.device = cfg.rms_norm_eps, sets.shape[0], sets.device
-        self.shared, self.scaling = adapters is not None, scaling  # one base set, S adapter samples
+        self.scaling = scaling
+        if (adapters is not None or slots is not None) and sets.shape[0] != 1:
+            raise ValueError(f"adapter or masked slots decode over one shared set, got {sets.shape[0]} sets")
         if adapters is not None:
-            if sets.shape[0] != 1 or not adapters:
-                raise ValueError(f"adapter slots decode over one base set and at least one adapter, got "
-                                 f"{sets.shape[0]} sets and {len(adapters)} adapters")
+            if not adapters:
+                raise ValueError("adapter slots need at least one adapter")
             self.n_slots = next(iter(adapters.values()))[0].shape[0]
+        slot_layout, slot_sets = slots if slots is not None else (None, None)
+        if slots is not None:
+            self.n_slots = slot_sets.shape[0]
+            split = [k for k, (at, rows, cols) in layout.fused.items() if k not in slot_layout.fused
+                     and any(at <= layout.spans[n][0] < at + rows * cols for n in slot_layout.spans)]
+            if split:
+                raise ValueError(f"fused group(s) {split} are partly in the slots' own sets (lean_decoder.slot_names)")
         self.window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
         rotary = model.model.rotary_emb
         self.inv_freq = rotary.inv_freq.float().to(sets.device)
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
-        v = lambda name: layout.view(sets, name) if name in layout.spans else None  # noqa: E731
+        def v(name):  # [S or 1, *shape]: a slot's own tensor, else the shared set's
+            if slot_layout is not None and name in slot_layout.spans:
+                return slot_layout.view(slot_sets, name)
+            return layout.view(sets, name) if name in layout.spans else None
+
+        def fused(key):
+            if slot_layout is not None and key in slot_layout.fused:
+                return slot_layout.fused_view(slot_sets, key)
+            return layout.fused_view(sets, key) if key in layout.fused else None
+
         vec = lambda name: None if v(name) is None else v(name)[:, None]  # noqa: E731  [S, 1, n] broadcasts over rows
         self.embed = v("model.embed_tokens.weight")
         self.lm_head = v("lm_head.weight") if "lm_head.weight" in layout.spans else self.embed
@@ -149,14 +186,12 @@ class LeanDecoder:
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
-            qkv = layout.fused_view(sets, f"{i}.qkv_w")
             self.layers.append(dict(
                 in_norm=vec(p + "input_layernorm.weight"), post_norm=vec(p + "post_attention_layernorm.weight"),
-                qkv_w=qkv, qkv_b=layout.fused_view(sets, f"{i}.qkv_b") if f"{i}.qkv_b" in layout.fused else None,
+                qkv_w=fused(f"{i}.qkv_w"), qkv_b=fused(f"{i}.qkv_b"),
                 q_norm=vec(a + "q_norm.weight"), k_norm=vec(a + "k_norm.weight"),
                 o_w=v(a + "o_proj.weight"), o_b=vec(a + "o_proj.bias"),
-                gate_up_w=layout.fused_view(sets, f"{i}.gate_up_w"),
-                gate_up_b=layout.fused_view(sets, f"{i}.gate_up_b") if f"{i}.gate_up_b" in layout.fused else None,
+                gate_up_w=fused(f"{i}.gate_up_w"), gate_up_b=fused(f"{i}.gate_up_b"),
                 down_w=v(m + "down_proj.weight"), down_b=vec(m + "down_proj.bias"),
                 qkv_lora=terms((a + "q_proj.weight", q_out), (a + "k_proj.weight", kv_out), (a + "v_proj.weight", kv_out)),
                 o_lora=terms((a + "o_proj.weight", cfg.hidden_size)),
@@ -181,15 +216,20 @@ class LeanDecoder:
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                 lora: list = ()) -> torch.Tensor:
-        """x [S, R, in] through each set's w [S, out, in] (and bias [S, 1, out]); over one shared set
-        (w [1, out, in]) one matmul for all S·R rows, plus each slot's adapter term s · (x Âᵀ) B̂ᵀ on the
-        output columns [start, end) it adapts (`lora`)."""
-        if w.shape[0] == x.shape[0]:
-            y = torch.bmm(x, w.mT) if bias is None else torch.baddbmm(bias, x, w.mT)
-        else:
-            s_n, rows, _ = x.shape
+        """x [S, R, in] through each set's w [S, out, in] (and bias [S or 1, 1, out]), one `mm` per set;
+        over one shared set (w [1, out, in]) one matmul for all S·R rows, plus each slot's adapter term
+        s · (x Âᵀ) B̂ᵀ on the output columns [start, end) it adapts (`lora`)."""
+        s_n, rows, _ = x.shape
+        if w.shape[0] == 1:
             y = torch.nn.functional.linear(x.reshape(s_n * rows, -1), w[0], None if bias is None else bias[0, 0])
             y = y.view(s_n, rows, -1)
+        else:
+            y = x.new_empty(s_n, rows, w.shape[1])
+            for s in range(s_n):
+                if bias is None:
+                    torch.mm(x[s], w[s].t(), out=y[s])
+                else:
+                    torch.addmm(bias[s if bias.shape[0] > 1 else 0, 0], x[s], w[s].t(), out=y[s])
         for start, end, a, b in lora:
             y[..., start:end].add_(torch.bmm(torch.bmm(x, a.mT), b.mT), alpha=self.scaling)
         return y
@@ -223,9 +263,11 @@ class LeanDecoder:
         if rows % s_n:
             raise ValueError(f"{rows} rows cannot be split evenly over {s_n} weight sets")
         b = rows // s_n
-        set_of_row = torch.arange(1 if self.shared else s_n, device=tokens.device).repeat_interleave(
-            b * (s_n if self.shared else 1))
-        x = self.embed[set_of_row[:, None], tokens].reshape(s_n, b * t, -1)
+        if self.embed.shape[0] == 1:  # one shared embedding
+            x = self.embed[0][tokens].reshape(s_n, b * t, -1)
+        else:
+            set_of_row = torch.arange(s_n, device=tokens.device).repeat_interleave(b)
+            x = self.embed[set_of_row[:, None], tokens].reshape(s_n, b * t, -1)
         cos, sin = self._rope(positions, x.dtype)
         end = start + t
         allowed = self._allowed(key_mask, start, t)

@@ -39,7 +39,7 @@ class SlotBank:
                  device: torch.device | str = "cpu") -> None:
         self.layout, self.dtype, self.device = layout, dtype, torch.device(device)
         self.set_bytes = layout.numel * torch.empty(0, dtype=dtype).element_size()
-        self.capacity = max(1, budget_bytes // self.set_bytes)
+        self.capacity = max(1, budget_bytes // max(self.set_bytes, 1))
         self.rows = torch.empty(0, layout.numel, dtype=dtype, device=self.device)
         self._at: OrderedDict[Key, int] = OrderedDict()  # slot -> row, least recently used first
         self._checks: dict[int, tuple[tuple[int, int], bool, float]] = {}  # row -> (fingerprint fed, loaded, ratio)

@@ -94,7 +94,10 @@ class BesideProcess:
             self._answer("ok", discard=True)
         for name in self.names:
             self.means[name].copy_(means[name])
-            self.sigmas[name].copy_(sigmas[name])
+            if name in sigmas:  # σ of the noised tensors alone (MaskedSigma); zero elsewhere
+                self.sigmas[name].copy_(sigmas[name])
+            else:
+                self.sigmas[name].zero_()
         self._send([(point, rows, batch.input_ids[rows], batch.attn[rows], batch.mask[rows], batch.targets[rows],
                      run(rows)) for point, rows in points.items()])
         self.unanswered += 1

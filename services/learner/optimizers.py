@@ -108,18 +108,21 @@ class IVONPosterior:
         return contextlib.nullcontext()
 
     def served_posterior(self):
-        """(m, σ) of this rank's tensors by name as slots are served: σ zero outside the noise mask
-        (live m: do not modify)."""
+        """(m, σ) of this rank's tensors by name as slots are served: σ of the noised tensors alone
+        (`MaskedSigma`; live m: do not modify)."""
         return self.ivon.mean_by_name(), MaskedSigma(self.ivon.sigma_by_name(), self.noised)
 
     def published(self) -> tuple[dict, dict] | None:
-        """(m, σ) whole as fp32 numpy on rank 0, gathered from the owners, σ zero outside the noise
-        mask (what every engine serves); None on the other ranks."""
-        parts = self.ranks.gather_first(list(self.served_posterior()), self.named)
-        if parts is None:
+        """(m, σ) as fp32 numpy on rank 0, gathered from the owners: m whole, σ of the noised tensors
+        only (what every engine serves; a tensor σ leaves out serves m in every slot); None on the
+        other ranks."""
+        mean, sigma = self.served_posterior()
+        mean = self.ranks.gather_first([mean], self.named)
+        sigma = self.ranks.gather_first([sigma], [(n, p) for n, p in self.named if n in self.noised])
+        if mean is None:
             return None
-        mean = {n: t.cpu().numpy().copy() for n, t in parts[0].items()}  # m is live state: a copy
-        return mean, {n: t.cpu().numpy() for n, t in parts[1].items()}  # σ is made afresh when h changes
+        # m is live state: a copy; σ is made afresh when h changes
+        return {n: t.cpu().numpy().copy() for n, t in mean[0].items()}, {n: t.cpu().numpy() for n, t in sigma[0].items()}
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """m, h and g_m of this rank's tensors; the metadata names the whole model's parameter order."""

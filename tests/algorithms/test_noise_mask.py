@@ -38,8 +38,10 @@ def test_module_families_and_layer_ranges():
         noised_names(LLAMA, "embeddings")
 
 
-def test_masked_sigma_is_zero_exactly_outside_the_mask():
-    sigmas = {"a": torch.full((2, 3), 0.1), "b": torch.full((4,), 0.2)}
-    masked = MaskedSigma(sigmas, {"a"})
-    assert set(masked) == {"a", "b"} and len(masked) == 2
-    assert torch.equal(masked["a"], sigmas["a"]) and torch.equal(masked["b"], torch.zeros(4))
+def test_masked_sigma_holds_the_mask_alone():
+    sigmas = {"a": torch.full((2, 3), 0.1), "b": torch.full((4,), 0.2), "c": torch.full((1,), 0.3)}
+    masked = MaskedSigma(sigmas, {"a", "c"})
+    assert list(masked) == ["a", "c"] and len(masked) == 2 and "b" not in masked
+    assert torch.equal(masked["a"], sigmas["a"]) and masked.get("b") is None
+    with pytest.raises(KeyError):
+        masked["b"]

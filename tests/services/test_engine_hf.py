@@ -143,7 +143,7 @@ def test_a_bf16_engine_builds_slots_from_the_published_fp32_mean_without_a_copy_
     assert all(engine._mean[n].data_ptr() == mean[n].ctypes.data for n in engine._params)
     engine.generate_slots([(NoiseSpec(2, seed=5), [EngineRequest((5, 6), 1, seed=1)])], params)
     row = engine.bank.place([(5, 1.0)], lambda *_: pytest.fail("slot 5 is resident"))[0]
-    views = engine.layout.views(engine.bank.rows[row])
+    views = engine.bank.layout.views(engine.bank.rows[row])
     for n, a in mean.items():  # θ̂ = m + σ z from the fp32 m, then cast: the learner's θ̂ in bf16
         want = param_noise.perturbed(torch.from_numpy(a), torch.from_numpy(sigma[n]), 5, n).to(torch.bfloat16)
         assert torch.equal(views[n], want), n
@@ -165,10 +165,11 @@ def test_slot_weights_corrupted_in_the_bank_are_flagged_then_rebuilt(tiny_dense_
 
 
 def test_the_slot_bank_is_bounded_in_bytes_and_a_call_with_more_slots_takes_several_passes(tiny_dense_path):
-    one_set = HFEngine(tiny_dense_path, SamplerConfig(seed=3)).bank.set_bytes
     small = HFEngine(tiny_dense_path, SamplerConfig(batch_size=16, seed=3, slot_cache_mb=1))
-    assert small.bank.capacity == (1 << 20) // one_set >= 2
-    small.load_version(1, *_posterior(small))
+    mean, sigma, checksum = _posterior(small)
+    small.load_version(1, mean, sigma, checksum)
+    one_set = sum(a.nbytes for a in sigma.values())  # σ covers every tensor here: a whole fp32 set per slot
+    assert small.bank.set_bytes == one_set and small.bank.capacity == (1 << 20) // one_set >= 2
     slots = small.bank.capacity + 2
     groups = [(NoiseSpec(1, seed=100 + s), [EngineRequest((5, 6), 1, seed=s)]) for s in range(slots)]
     params = SamplingParams(max_new_tokens=4)
@@ -178,6 +179,36 @@ def test_the_slot_bank_is_bounded_in_bytes_and_a_call_with_more_slots_takes_seve
         small.serve(noise)
         assert report.loaded_ok and unchanged
         assert [s.token_ids for s in samples[0]] == [s.token_ids for s in small.generate(requests, params)[0]]
+
+
+def test_a_slot_holds_only_the_tensors_sigma_covers_and_reads_the_rest_from_the_mean(tiny_dense_path):
+    from threepo.services.modeling import load_model
+
+    engine = HFEngine(tiny_dense_path, SamplerConfig(batch_size=8, seed=3))
+    mean, full, checksum = _posterior(engine, scale=0.05)
+    # layer 0's MLP and layer 1's q projection alone (k and v share its fused matmul: held, at m)
+    noised = [n for n in full if n.startswith("model.layers.0.mlp.") or n == "model.layers.1.self_attn.q_proj.weight"]
+    engine.load_version(1, mean, {n: full[n] for n in noised}, checksum)
+    held = set(engine.bank.layout.spans)
+    assert held == {*noised, "model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.weight"}
+    assert engine.bank.set_bytes == sum(mean[n].nbytes for n in held)  # no embedding, head or norms per slot
+    params = SamplingParams(max_new_tokens=6)
+    groups = [(NoiseSpec(1, seed=s), [EngineRequest((5, 6, 7), 2, seed=s)]) for s in (31, 32)]
+    together = engine.generate_slots(groups, params)
+    model = load_model(tiny_dense_path).eval()
+    for (noise, requests), (report, unchanged, samples) in zip(groups, together):
+        assert report.loaded_ok and unchanged
+        theta = {n: param_noise.perturbed(torch.from_numpy(mean[n]), torch.from_numpy(full[n]), noise.seed, n)
+                 if n in noised else torch.from_numpy(mean[n]) for n in mean}
+        model.load_state_dict(theta, strict=False)
+        engine.serve(noise)
+        assert all(torch.equal(engine.served()[n].float(), theta[n]) for n in mean)
+        for sample in samples[0]:  # transformers' forward at θ̂ gives the log-probs the slot sampled with
+            ids = torch.tensor([[5, 6, 7, *sample.token_ids]])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(ids).logits[0, 2:-1].float(), -1)
+            want = logp[torch.arange(len(sample.token_ids)), torch.tensor(sample.token_ids)]
+            np.testing.assert_allclose(sample.logprobs, want.numpy(), atol=1e-4)
 
 
 def test_distinct_rows_are_found_per_weight_slot():

@@ -187,6 +187,21 @@ def test_a_version_is_read_back_as_the_learner_published_it_through_a_checkpoint
                    np.array_equal(got.sigma[n], sent.sigma[n].astype(np.float32)) for n in sent.mean)
 
 
+def test_a_sigma_of_the_noised_tensors_alone_round_trips_through_a_checkpoint(tmp_path):
+    import dataclasses
+
+    from threepo.services.posterior import load_posterior, save_posterior
+
+    server = PosteriorServer(PosteriorConfig(kind="c3po", group_size=8, n_slots=4, base_seed=3))
+    full = _pv(3)
+    sent = dataclasses.replace(full, sigma={"w": full.sigma["w"]})  # "b" is outside the noise mask
+    server.publish(sent)
+    save_posterior(server, str(tmp_path))
+    got = load_posterior(str(tmp_path)).published(0)
+    assert set(got.mean) == {"w", "b"} and set(got.sigma) == {"w"}
+    assert np.array_equal(got.sigma["w"], sent.sigma["w"].astype(np.float32))
+
+
 def test_checkpoint_files_round_trip_with_references_dropped(tmp_path):
     from threepo.services.posterior import load_posterior, save_posterior
 
