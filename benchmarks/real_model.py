@@ -62,6 +62,7 @@ def engine_part(model: str, data: str, args) -> dict:
     import numpy as np
     import torch
 
+    from threepo.algorithms.noise_mask import noised_names
     from threepo.algorithms.weight_checks import weights_checksum
     from threepo.services.datasets import DataConfig, file_items
     from threepo.services.engines.base import EngineRequest, SamplerConfig
@@ -103,7 +104,8 @@ def engine_part(model: str, data: str, args) -> dict:
             rates[name].append(tokens / seconds)
             print(f"[engine] {name}: {tokens} tokens in {seconds:.1f} s", file=sys.stderr)
     mean = {n: p.detach().float().numpy().copy() for n, p in engine._params.items()}
-    sigma = {n: np.full(a.shape, 1e-3, np.float32) for n, a in mean.items()}
+    # σ where the default noise mask puts it (the decoder layers' matrices; never embeddings, head, norms)
+    sigma = {n: np.full(mean[n].shape, 1e-3, np.float32) for n in mean if n in noised_names(list(mean))}
     engine.load_version(1, mean, sigma, weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items()))
     prompts = [encoder.encode(it.prompt) for it in items[:args.prompts]]
     per_slot = args.group // args.slots

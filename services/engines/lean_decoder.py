@@ -13,10 +13,11 @@ and the LM head, in transformers' order — its logits equal transformers' to fp
 Weights live in one flat buffer per weight set (`WeightLayout`): every parameter is a view of it,
 and the parameters that one matmul uses together (q/k/v, gate/up) are consecutive, so the fused
 matrix is a view too. S weight sets are a [S, numel] tensor: a decoder over S slots (one posterior
-sample θ̂_s each) decodes S equal groups of rows in one pass, rows [s·b, (s+1)·b) with set s, each
-matmul one per set over its view — nothing is copied to stack them (one `mm` per set: a batched
-matmul over views strided by a whole weight set ran ~10x slower in bf16 on the CPU). A C3PO call that
-samples several slots therefore decodes them in one batch instead of one batch per slot.
+sample θ̂_s each) decodes S equal groups of rows in one pass, rows [s·b, (s+1)·b) with set s, every
+matmul one batched matmul over the S sets' views — nothing is copied to stack them (on the CPU in
+bf16 one `mm` per set instead: there a batched matmul over views strided by a whole weight set ran
+3-10x slower, in fp32 1.4-2x faster; benchmarks/README.md). A C3PO call that samples several slots
+therefore decodes them in one batch instead of one batch per slot.
 
 Slots that perturb only some tensors (a noise mask: embeddings, head and norms never carry noise)
 hold only those in their sets (`slots` = (their layout, [S, n]); `slot_names`): every other tensor is
@@ -216,14 +217,16 @@ class LeanDecoder:
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                 lora: list = ()) -> torch.Tensor:
-        """x [S, R, in] through each set's w [S, out, in] (and bias [S or 1, 1, out]), one `mm` per set;
-        over one shared set (w [1, out, in]) one matmul for all S·R rows, plus each slot's adapter term
+        """x [S, R, in] through each set's w [S, out, in] (and bias [S or 1, 1, out]), one batched matmul
+        (on the CPU in bf16 one `mm` per set); over one shared set (w [1, out, in]) one matmul for all S·R rows, plus each slot's adapter term
         s · (x Âᵀ) B̂ᵀ on the output columns [start, end) it adapts (`lora`)."""
         s_n, rows, _ = x.shape
         if w.shape[0] == 1:
             y = torch.nn.functional.linear(x.reshape(s_n * rows, -1), w[0], None if bias is None else bias[0, 0])
             y = y.view(s_n, rows, -1)
-        else:
+        elif not (w.dtype == torch.bfloat16 and w.device.type == "cpu"):
+            y = torch.bmm(x, w.mT) if bias is None else torch.baddbmm(bias, x, w.mT)
+        else:  # CPU bf16: a bmm over views strided by a whole weight set runs 3-10x slower than a mm each
             y = x.new_empty(s_n, rows, w.shape[1])
             for s in range(s_n):
                 if bias is None:

@@ -97,3 +97,42 @@ def test_families_it_does_not_implement_are_not_claimed(tiny_moe_path):
     from threepo.services.modeling import load_model
 
     assert not lean_decoder.supports(load_model(tiny_moe_path))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_slots_decoded_together_equal_each_slot_alone_as_a_whole_set(dtype):
+    # slots that perturb some tensors hold those alone; the rest is read from the one shared set
+    model = _model("llama_biases")
+    params = dict(model.named_parameters())
+    layout = WeightLayout.of(model, list(params))
+    noised = [n for n in params if (".mlp." in n or "q_proj.weight" in n) and n.endswith("weight")]
+    names = lean_decoder.slot_names(layout, noised)
+    assert "model.layers.0.self_attn.k_proj.weight" in names and "model.embed_tokens.weight" not in names
+    with pytest.raises(ValueError, match="fused group"):  # q alone would split the fused q/k/v matmul
+        LeanDecoder(model, layout, torch.zeros(1, layout.numel, dtype=dtype),
+                    slots=(WeightLayout.of(model, noised), torch.zeros(2, 1, dtype=dtype)))
+    slot_layout = WeightLayout.of(model, names)
+    shared, own = torch.empty(1, layout.numel, dtype=dtype), torch.empty(2, slot_layout.numel, dtype=dtype)
+    whole = torch.empty(2, layout.numel, dtype=dtype)  # each slot as a weight set of its own
+    for name, view in layout.views(shared[0]).items():
+        view.copy_(params[name].detach())
+    for s in range(2):
+        for i, (name, view) in enumerate(slot_layout.views(own[s]).items()):
+            moved = 0.05 * torch.randn(view.shape, generator=torch.Generator().manual_seed(10 * s + i))
+            view.copy_(params[name].detach() + (moved if name in noised else 0))
+        whole[s] = shared[0]
+        views = layout.views(whole[s])
+        for name, view in slot_layout.views(own[s]).items():
+            views[name].copy_(view)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]] * 2)
+    positions = torch.arange(4).repeat(4, 1)
+    keys = torch.ones(4, 4, dtype=torch.bool)
+    together = LeanDecoder(model, layout, shared, slots=(slot_layout, own))
+    with torch.no_grad():
+        got = together.forward(ids, positions, together.new_cache(4, 4, dtype), 0, keys)
+        for s in range(2):
+            alone = LeanDecoder(model, layout, whole[s:s + 1])
+            want = alone.forward(ids[2 * s:2 * s + 2], positions[:2], alone.new_cache(2, 4, dtype), 0, keys[:2])
+            torch.testing.assert_close(got[2 * s:2 * s + 2].float(), want.float(),
+                                       **({} if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)))
+    assert not torch.allclose(got[0], got[2])  # the same prompt under two slots: two policies
