@@ -49,6 +49,7 @@ import time
 import tomllib
 
 import _common
+from real_model import LAST_NUMBER, REAL_ARMS, REAL_SIZES
 
 ARMS = {  # name -> (recipe, overrides)
     "grpo": ("grpo_baseline", []),
@@ -65,22 +66,6 @@ TASKS = {"arith": None, "countdown_hard": "countdown_hard", "smollm2": None}  # 
 # The real-model task: SmolLM2-135M-Instruct on word problems (benchmarks/real_model.py's learning part:
 # chat template, answers scored by their last number, T 0.7, bf16), held-out pass@k at T 0.7.
 REAL = "smollm2"
-REAL_SIZES = ["data.format=gsm8k", "sampler.temperature=0.7", "learner.bf16=true", "sampler.dtype=bfloat16",
-              "runtime.requests_per_call=32", "eval.around_training=false", "runtime.prompts_per_step=8",
-              "algo.group_size=8", "sampler.max_new_tokens=64", "eval.num_items=32", "eval.samples_per_item=64",
-              "eval.k=64", "eval.temperature=0.7"]
-# Each arm's optimizer on the 135M model, so that a step moves a weight about as far on both: AdamW at
-# lr 2e-5 (real_model.py: +0.47 greedy pass@1 in 30 steps; its first steps move each weight ~lr);
-# IVON (m ← m − α clip((g_m + δ m) / (h + δ), ±ξ), α = lr (h0 + δ)) with σ ≈ 1e-3 at its training samples
-# (optim.ess = 1e7; the served noise is set by the noise control either way), α = 100 and ξ = 2e-7, so
-# the clip binds wherever |g_m| > 2e-8 and a step is a momentum-sign step of α ξ = 2e-5; its prior
-# precision δ scaled down with lr (1e-8), so that the pull towards zero stays ≤ the default's.
-# LoRA arms: adapters at 10x the full model's step (the usual LoRA learning rate; B starts at zero),
-# AdamW lr 2e-4 and IVON's sign-like step α ξ = 2e-4.
-REAL_ARMS = {"grpo": ["optim.lr=2e-5"],
-             "c3po": ["optim.ess=1e7", "optim.lr=1000", "optim.clip_radius=2e-7", "optim.weight_decay=1e-8"],
-             "grpo_lora": ["optim.lr=2e-4"],
-             "c3po_lora": ["optim.ess=1e7", "optim.lr=1000", "optim.clip_radius=2e-6", "optim.weight_decay=1e-8"]}
 DIFFICULTIES = {"arith": (1, 2, 3), "countdown": (1, 2)}
 MOE_ARMS = {"grpo_moe": ("grpo_baseline", ["model.kind=moe"]), "c3po_moe": (None, ["model.kind=moe"]),
             "vp2o": ("vp2o_moe", [])}
@@ -209,8 +194,6 @@ def plan(args) -> list[tuple]:
 
 def real_overrides(args) -> list[str]:
     """The word-problem file (written once, 10% held out) and the real-model task's settings."""
-    from real_model import LAST_NUMBER
-
     from threepo.services.word_problems import write_gsm8k
 
     os.makedirs(_common.RESULTS_DIR, exist_ok=True)

@@ -11,6 +11,9 @@ Parts (`--parts`, default all, in this order):
 - `memory`: peak memory per role (summary.json: peak RSS of each process) and of the whole machine
   (the sum of every process's PSS above its value at start, sampled every 0.5 s) of short C3PO and
   GRPO runs;
+- `wall`: C3PO against GRPO at the exploration study's real-model settings (8 prompts x 8 rollouts x
+  64 tokens, T 0.7, each arm's optimizer as there: `REAL_ARMS`), `--wall-steps` steps each: wall per
+  step, learner step and CPU per step of each role (target: C3PO / GRPO wall <= 1.10);
 - `learn`: GRPO (`--config grpo_baseline`) on the word problems, held-out pass@1 before and after,
   greedy and at T = 1. The model boxes ~1% of its answers whatever it is told (pass@1 0.00-0.01 at
   T 0.7 under five instructions and a system prompt with an example), so this part scores its answer
@@ -37,6 +40,26 @@ import _common
 INSTRUCTION = "Give the final answer as \\boxed{N}, where N is the number."
 # how answers are asked for and scored where the model is trained (it does not box them: module docstring)
 LAST_NUMBER = ("prompt.instruction=", 'verifier.options=[["math", "answer", "last_number"]]')
+
+
+# The exploration study's real-model task settings (benchmarks/exploration_study.py --tasks smollm2) and this
+# file's wall part: 8 prompts x 8 rollouts x 64 tokens at T 0.7, bf16, answers scored by their last number.
+REAL_SIZES = ["data.format=gsm8k", "sampler.temperature=0.7", "learner.bf16=true", "sampler.dtype=bfloat16",
+              "runtime.requests_per_call=32", "eval.around_training=false", "runtime.prompts_per_step=8",
+              "algo.group_size=8", "sampler.max_new_tokens=64", "eval.num_items=32", "eval.samples_per_item=64",
+              "eval.k=64", "eval.temperature=0.7"]
+# Each arm's optimizer on the 135M model, so that a step moves a weight about as far on both: AdamW at
+# lr 2e-5 (real_model.py: +0.47 greedy pass@1 in 30 steps; its first steps move each weight ~lr);
+# IVON (m ← m − α clip((g_m + δ m) / (h + δ), ±ξ), α = lr (h0 + δ)) with σ ≈ 1e-3 at its training samples
+# (optim.ess = 1e7; the served noise is set by the noise control either way), α = 100 and ξ = 2e-7, so
+# the clip binds wherever |g_m| > 2e-8 and a step is a momentum-sign step of α ξ = 2e-5; its prior
+# precision δ scaled down with lr (1e-8), so that the pull towards zero stays ≤ the default's.
+# LoRA arms: adapters at 10x the full model's step (the usual LoRA learning rate; B starts at zero),
+# AdamW lr 2e-4 and IVON's sign-like step α ξ = 2e-4.
+REAL_ARMS = {"grpo": ["optim.lr=2e-5"],
+             "c3po": ["optim.ess=1e7", "optim.lr=1000", "optim.clip_radius=2e-7", "optim.weight_decay=1e-8"],
+             "grpo_lora": ["optim.lr=2e-4"],
+             "c3po_lora": ["optim.ess=1e7", "optim.lr=1000", "optim.clip_radius=2e-6", "optim.weight_decay=1e-8"]}
 
 
 def model_and_data(args) -> tuple[str, str]:
@@ -214,6 +237,28 @@ def memory_part(model: str, data: str, args) -> dict:
     return out
 
 
+def wall_part(model: str, data: str, args) -> dict:
+    """C3PO (N = 4) against GRPO (`grpo_baseline`) at the exploration study's real-model settings
+    (`REAL_SIZES`, `REAL_ARMS`), `--wall-steps` steps each: the loop's wall per step and the learner's
+    step over steps 2..T-1 (`_common.loop_figures`), and the CPU seconds per step of each role."""
+    out = {}
+    for name, recipe in (("c3po", None), ("grpo", "grpo_baseline")):
+        run = _common.train_run(model, [f"data.path={data}", *REAL_SIZES, *LAST_NUMBER, *REAL_ARMS[name],
+                                        f"runtime.steps={args.wall_steps}", *args.overrides], f"wall {name}",
+                                recipe=recipe)
+        out[name] = {k: run[k] for k in ("step_wall_s", "learner_step_s", "tokens_per_step", "engine_busy", "cpu",
+                                         "run_wall_s")}
+    rows = [[name, f["step_wall_s"], f["learner_step_s"], f["tokens_per_step"], f["engine_busy"].get("mean", 0.0),
+             f["cpu"]["per_step_s"]["learner"], f["cpu"]["per_step_s"]["samplers"], f["cpu"]["per_step_s"]["total"]]
+            for name, f in out.items()]
+    _common.table(f"SmolLM2-135M, C3PO against GRPO, {args.wall_steps} steps (steps 2..T-1 timed)",
+                  ["arm", "step wall s", "learner step s", "tokens/step", "engine busy", "CPU/step learner",
+                   "CPU/step samplers", "CPU/step total"], rows)
+    out["c3po_over_grpo"] = out["c3po"]["step_wall_s"] / out["grpo"]["step_wall_s"]
+    print(f"C3PO / GRPO step wall {out['c3po_over_grpo']:.2f} (target <= 1.10)")
+    return out
+
+
 def learn_part(model: str, data: str, args) -> dict:
     """GRPO on the word problems: held-out pass@1 before and after, greedy and at T = 1."""
     from threepo.deploy.commands import evaluate_policy
@@ -251,7 +296,8 @@ def learn_part(model: str, data: str, args) -> dict:
 
 def main() -> None:
     p = _common.parser(__doc__)
-    p.add_argument("--parts", nargs="+", default=["engine", "memory", "learn"], choices=["engine", "memory", "learn"])
+    p.add_argument("--parts", nargs="+", default=["engine", "memory", "learn"],
+                   choices=["engine", "memory", "wall", "learn"])
     p.add_argument("--problems", type=int, default=2000, help="word problems written (10%% held out)")
     p.add_argument("--tokens", type=int, default=64, help="sampler.max_new_tokens")
     p.add_argument("--prompts", type=int, default=8, help="runtime.prompts_per_step")
@@ -263,6 +309,7 @@ def main() -> None:
     p.add_argument("--learn-group", type=int, default=8, help="algo.group_size of the learning part")
     p.add_argument("--eval-items", type=int, default=128, help="held-out items evaluated")
     p.add_argument("--memory-steps", type=int, default=4, help="steps of each memory run")
+    p.add_argument("--wall-steps", type=int, default=6, help="steps of each run of the wall part")
     p.add_argument("--engine-batch", type=int, default=16, help="prompts in the engine comparison")
     p.add_argument("--threads", type=int, default=2, help="torch threads in the engine comparison")
     p.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16"],
@@ -270,12 +317,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     if args.quick:
-        args.problems, args.steps, args.eval_items, args.repeats, args.memory_steps = 200, 3, 8, 1, 2
+        args.problems, args.steps, args.eval_items, args.repeats, args.memory_steps, args.wall_steps = 200, 3, 8, 1, 2, 3
         args.tokens, args.engine_batch, args.learn_tokens = 16, 4, 16
     model, data = model_and_data(args)
     results = {"model": model, "data": data, "args": vars(args)}
     for part in args.parts:
-        results[part] = {"engine": engine_part, "memory": memory_part, "learn": learn_part}[part](model, data, args)
+        results[part] = {"engine": engine_part, "memory": memory_part, "wall": wall_part,
+                         "learn": learn_part}[part](model, data, args)
         name = "real_model_" + "_".join(args.parts) + ("_bf16" if "engine" in args.parts and
                                                        args.engine_dtype == "bfloat16" else "")
         with open(_common.results_path(name, args.quick), "w") as f:
