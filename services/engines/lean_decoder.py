@@ -89,6 +89,11 @@ class WeightLayout:
             fused[key] = (start, rows, params[members[0]].shape[1] if params[members[0]].dim() == 2 else 1)
         return WeightLayout(spans, fused, at)
 
+    def members(self, key: str) -> list[str]:
+        """The parameters fused group `key` is made of."""
+        at, rows, cols = self.fused[key]
+        return [n for n, (start, _) in self.spans.items() if at <= start < at + rows * cols]
+
     def view(self, sets: torch.Tensor, name: str) -> torch.Tensor:
         """Parameter `name` of weight sets [S, numel] as [S, *shape] (a view)."""
         at, shape = self.spans[name]
@@ -110,10 +115,9 @@ def slot_names(layout: WeightLayout, noised) -> list[str]:
     member of a fused group (q/k/v, gate/up) any of them belongs to (a fused matmul reads one set),
     in `layout`'s order."""
     noised, whole = set(noised), set()
-    for at, rows, cols in layout.fused.values():
-        members = [n for n, (start, _) in layout.spans.items() if at <= start < at + rows * cols]
-        if noised.intersection(members):
-            whole.update(members)
+    for key in layout.fused:
+        if noised.intersection(layout.members(key)):
+            whole.update(layout.members(key))
     return [n for n in layout.spans if n in noised or n in whole]
 
 
@@ -149,8 +153,8 @@ class LeanDecoder:
         slot_layout, slot_sets = slots if slots is not None else (None, None)
         if slots is not None:
             self.n_slots = slot_sets.shape[0]
-            split = [k for k, (at, rows, cols) in layout.fused.items() if k not in slot_layout.fused
-                     and any(at <= layout.spans[n][0] < at + rows * cols for n in slot_layout.spans)]
+            split = [k for k in layout.fused if k not in slot_layout.fused
+                     and set(layout.members(k)).intersection(slot_layout.spans)]
             if split:
                 raise ValueError(f"fused group(s) {split} are partly in the slots' own sets (lean_decoder.slot_names)")
         self.window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
