@@ -4,7 +4,7 @@ one addition or subtraction; plain questions, the model's chat template applied 
 out by a hash of each question). The runs compute in bf16 (`learner.bf16`, `sampler.dtype=bfloat16`:
 ~2-4x fp32 on this CPU's AVX-512 BF16) unless overridden.
 
-Parts (`--parts`, default all, in this order):
+Parts (`--parts`, default engine, memory and learn; in this order):
 - `engine`: the hf engine's tokens/s against transformers' `generate` on the same batch (sampling,
   T = 1, the same prompts and limit, the same threads), and a 4-slot C3PO call against a 1-slot call
   of the same rows (time per generated token);
@@ -21,7 +21,8 @@ Parts (`--parts`, default all, in this order):
   no instruction: pass@1 0.25 greedy, 0.10 at T 0.7) and samples at T 0.7 (`sampler.temperature`),
   `--learn-tokens` 128 tokens, `--learn-group` 8 rollouts per prompt.
 
-    python3 benchmarks/real_model.py                       # everything (~1.5 h on 2 cores)
+    python3 benchmarks/real_model.py                       # engine, memory, learn (~1.5 h on 2 cores)
+    python3 benchmarks/real_model.py --parts wall          # ~15 min
     python3 benchmarks/real_model.py --parts engine --quick
 """
 
