@@ -123,6 +123,9 @@ class MaskedSigma(Mapping):
             raise KeyError(name)
         return self.sigmas[name]
 
+    def __contains__(self, name) -> bool:  # without reading σ (Mapping's default reads the item)
+        return name in self.noised and name in self.sigmas
+
     def __iter__(self) -> Iterator[str]:
         return (name for name in self.sigmas if name in self.noised)
 

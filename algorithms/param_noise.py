@@ -106,6 +106,9 @@ class SigmaView(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         return posterior_sigma(self.hess[name], self.ess, self.weight_decay)
 
+    def __contains__(self, name) -> bool:  # without computing σ (Mapping's default reads the item)
+        return name in self.hess
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.hess)
 

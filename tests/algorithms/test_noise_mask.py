@@ -41,7 +41,25 @@ def test_module_families_and_layer_ranges():
 def test_masked_sigma_holds_the_mask_alone():
     sigmas = {"a": torch.full((2, 3), 0.1), "b": torch.full((4,), 0.2), "c": torch.full((1,), 0.3)}
     masked = MaskedSigma(sigmas, {"a", "c"})
-    assert list(masked) == ["a", "c"] and len(masked) == 2 and "b" not in masked
+    assert list(masked) == ["a", "c"] and len(masked) == 2 and "b" not in masked and "a" in masked
+    assert "d" not in MaskedSigma(sigmas, {"a", "d"})  # noised but absent from σ
     assert torch.equal(masked["a"], sigmas["a"]) and masked.get("b") is None
     with pytest.raises(KeyError):
         masked["b"]
+
+
+def test_asking_whether_sigma_covers_a_tensor_computes_no_sigma():
+    from threepo.algorithms.param_noise import SigmaView
+
+    class Counted(dict):  # h by name, counting reads
+        reads = 0
+
+        def __getitem__(self, name):
+            Counted.reads += 1
+            return super().__getitem__(name)
+
+    view = SigmaView(Counted(w=torch.ones(3), v=torch.ones(2)), 10.0, 0.0)
+    masked = MaskedSigma(view, {"w"})
+    assert "w" in view and "x" not in view and "w" in masked and "v" not in masked
+    assert Counted.reads == 0  # membership reads no h: σ is computed only when a tensor is read
+    assert torch.allclose(masked["w"], torch.full((3,), 10.0 ** -0.5)) and Counted.reads == 1
