@@ -131,6 +131,40 @@ def bind(model, layout: WeightLayout, row: torch.Tensor) -> None:
                 p.data = views[name]
 
 
+def _slot_count(layout: WeightLayout, sets: torch.Tensor, adapters: dict | None,
+                slots: tuple[WeightLayout, torch.Tensor] | None) -> int:
+    """S, the weight sets a decoder's rows split into: `sets`' own, or the adapter samples' or masked
+    slots' over one shared set (whose own sets must hold whole fused groups)."""
+    if (adapters is not None or slots is not None) and sets.shape[0] != 1:
+        raise ValueError(f"adapter or masked slots decode over one shared set, got {sets.shape[0]} sets")
+    if adapters is not None:
+        if not adapters:
+            raise ValueError("adapter slots need at least one adapter")
+        return next(iter(adapters.values()))[0].shape[0]
+    if slots is None:
+        return sets.shape[0]
+    own = slots[0]
+    split = [k for k in layout.fused if k not in own.fused and set(layout.members(k)).intersection(own.spans)]
+    if split:
+        raise ValueError(f"fused group(s) {split} are partly in the slots' own sets (lean_decoder.slot_names)")
+    return slots[1].shape[0]
+
+
+class _Views:
+    """A tensor (or with `fused`, a fused group) by name as [S or 1, ...]: the slots' own where their
+    layout holds it, else the shared set's; None where the model has none."""
+
+    def __init__(self, layout: WeightLayout, sets: torch.Tensor, slots: tuple | None, fused: bool = False) -> None:
+        self.layout, self.sets, self.fused = layout, sets, fused
+        self.own, self.own_sets = slots if slots is not None else (None, None)
+
+    def __call__(self, key: str) -> torch.Tensor | None:
+        for layout, sets in ((self.own, self.own_sets), (self.layout, self.sets)):
+            if layout is not None and key in (layout.fused if self.fused else layout.spans):
+                return layout.fused_view(sets, key) if self.fused else layout.view(sets, key)
+        return None
+
+
 class LeanDecoder:
     """Prefill and one-token decode steps of `model` under the weight sets `sets` [S, numel] laid out
     by `layout` (see the module docstring); `model` gives the architecture and the rotary module.
@@ -142,35 +176,13 @@ class LeanDecoder:
         cfg = model.config
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        self.eps, self.n_slots, self.device = cfg.rms_norm_eps, sets.shape[0], sets.device
-        self.scaling = scaling
-        if (adapters is not None or slots is not None) and sets.shape[0] != 1:
-            raise ValueError(f"adapter or masked slots decode over one shared set, got {sets.shape[0]} sets")
-        if adapters is not None:
-            if not adapters:
-                raise ValueError("adapter slots need at least one adapter")
-            self.n_slots = next(iter(adapters.values()))[0].shape[0]
-        slot_layout, slot_sets = slots if slots is not None else (None, None)
-        if slots is not None:
-            self.n_slots = slot_sets.shape[0]
-            split = [k for k in layout.fused if k not in slot_layout.fused
-                     and set(layout.members(k)).intersection(slot_layout.spans)]
-            if split:
-                raise ValueError(f"fused group(s) {split} are partly in the slots' own sets (lean_decoder.slot_names)")
+        self.eps, self.device, self.scaling = cfg.rms_norm_eps, sets.device, scaling
+        self.n_slots = _slot_count(layout, sets, adapters, slots)
         self.window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
         rotary = model.model.rotary_emb
         self.inv_freq = rotary.inv_freq.float().to(sets.device)
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
-        def v(name):  # [S or 1, *shape]: a slot's own tensor, else the shared set's
-            if slot_layout is not None and name in slot_layout.spans:
-                return slot_layout.view(slot_sets, name)
-            return layout.view(sets, name) if name in layout.spans else None
-
-        def fused(key):
-            if slot_layout is not None and key in slot_layout.fused:
-                return slot_layout.fused_view(slot_sets, key)
-            return layout.fused_view(sets, key) if key in layout.fused else None
-
+        v, fused = _Views(layout, sets, slots), _Views(layout, sets, slots, fused=True)
         vec = lambda name: None if v(name) is None else v(name)[:, None]  # noqa: E731  [S, 1, n] broadcasts over rows
         self.embed = v("model.embed_tokens.weight")
         self.lm_head = v("lm_head.weight") if "lm_head.weight" in layout.spans else self.embed

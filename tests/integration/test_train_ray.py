@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from threepo.algorithms.noise_mask import noised_names
 from threepo.deploy.commands import make_run_dir
 from threepo.deploy.config import load_config
 from threepo.deploy.run import RunStopped, train
@@ -83,11 +84,13 @@ def test_a_few_steps_of_each_algorithm(ray_session, tmp_path, tiny_dense_path, n
     if name.endswith("_lora"):  # the merged model above, and the adapters as a PEFT adapter directory
         assert {"adapter_config.json", "adapter_model.safetensors"} <= set(
             os.listdir(os.path.join(summary["final_checkpoint"], "adapter")))
-    full_mb = 8 * sum(p.numel() for p in load_model(tiny_dense_path).parameters()) / 2**20  # fp32 m and σ
+    params = dict(load_model(tiny_dense_path).named_parameters())
+    full_mb = 8 * sum(p.numel() for p in params.values()) / 2**20  # fp32 m and σ of every tensor
     if name.endswith("_lora"):  # a version is the adapters alone (C3PO: their m and σ), which hf engines serve
         assert 0 < summary["version_mb"] < full_mb / 4
-    elif name in ("b3po", "m3po", "c3po_lampo"):
-        assert summary["version_mb"] == pytest.approx(full_mb, rel=0.01)
+    elif name in ("b3po", "m3po", "c3po_lampo"):  # m whole, σ of the noise mask's tensors alone
+        masked_mb = 4 * sum(params[n].numel() for n in noised_names(list(params))) / 2**20
+        assert summary["version_mb"] == pytest.approx(full_mb / 2 + masked_mb, rel=0.01) and masked_mb < full_mb / 2
 
 
 def _kill_when(run_dir, name, rows_seen, also_restart=True, after=None):
