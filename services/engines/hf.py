@@ -149,16 +149,17 @@ class HFEngine:
             self.bank = SlotBank(WeightLayout.of(self.model, names), self.dtype, self.cfg.slot_cache_mb << 20,
                                  self.device)
         self.bank.clear()
+        self._shared_fingerprint = self._shared_now()
+
+    def _shared_now(self) -> tuple[int, int]:
+        """The fingerprint of the mean set's tensors that slots read from it (those the bank does not hold)."""
         views = self.layout.views(self._mean_set[0])
-        self._shared_fingerprint = weight_checks.value_fingerprint(
-            views[n] for n in views if n not in self.bank.layout.spans)
+        return weight_checks.value_fingerprint(views[n] for n in views if n not in self.bank.layout.spans)
 
     def _shared_intact(self) -> bool:
         """Do the mean set's tensors that slots read from it still hold what they held at the version's
         load (lean path)?"""
-        views = self.layout.views(self._mean_set[0])
-        return weight_checks.value_fingerprint(
-            views[n] for n in views if n not in self.bank.layout.spans) == self._shared_fingerprint
+        return self._shared_now() == self._shared_fingerprint
 
     def serve(self, noise: NoiseSpec) -> ServeReport:
         self._check_slot(noise)
