@@ -169,13 +169,16 @@ class MachineMemory:
     a shared page counts once in all, split among the processes that map it; Ray's object store
     included) — sampled every 0.5 s; `stop` gives its peak above the sum at start (MiB). `by_name`:
     each process name's peak PSS (MiB; Ray's actors by class, e.g. `SamplerActor`, its idle workers `IDLE`), which,
-    unlike the roles' peak RSS, does not count the object store's pages in every process that reads them."""
+    unlike the roles' peak RSS, does not count the object store's pages in every process that reads them;
+    `at_peak`: each name's PSS in the sample where the machine's total peaked (MiB above nothing: not
+    relative to the start), which says what the peak is made of."""
 
     def __init__(self) -> None:
         import psutil
 
-        self.psutil, self.stop_flag, self.by_name = psutil, False, {}
-        self.base = self.peak = self._pss()
+        self.psutil, self.stop_flag, self.by_name, self.peak_names = psutil, False, {}, {}
+        self.base, self.peak_names = self._pss()
+        self.peak = self.base
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
 
@@ -192,11 +195,13 @@ class MachineMemory:
             names[name] = names.get(name, 0) + pss
         for name, pss in names.items():
             self.by_name[name] = max(self.by_name.get(name, 0), pss)
-        return total
+        return total, names
 
     def _loop(self) -> None:
         while not self.stop_flag:
-            self.peak = max(self.peak, self._pss())
+            total, names = self._pss()
+            if total > self.peak:
+                self.peak, self.peak_names = total, names
             time.sleep(0.5)
 
     def stop(self) -> float:
@@ -207,6 +212,11 @@ class MachineMemory:
     def named_mb(self, least_mb: float = 100) -> dict[str, float]:
         """Peak PSS by process name (MiB), the names over `least_mb`."""
         return {k: v / 2**20 for k, v in sorted(self.by_name.items()) if v >= least_mb * 2**20}
+
+    def at_peak(self, least_mb: float = 100) -> dict[str, float]:
+        """PSS by process name (MiB) in the sample where the machine's total peaked, the names over
+        `least_mb`."""
+        return {k: v / 2**20 for k, v in sorted(self.peak_names.items()) if v >= least_mb * 2**20}
 
 
 def memory_part(model: str, data: str, args) -> dict:
@@ -221,12 +231,15 @@ def memory_part(model: str, data: str, args) -> dict:
         roles = run["summary"]["peak_memory_mb"]
         out[name] = {"roles_mb": roles, "roles_total_mb": run["summary"]["peak_memory_total_mb"],
                      "machine_mb": machine, "pss_by_process_mb": meter.named_mb(),
+                     "pss_at_machine_peak_mb": meter.at_peak(),
                      "learner_step_s": statistics.mean(r["step_time_s"] for r in run["rows"])}
         print(f"[memory] {name}: machine +{machine:,.0f} MiB; " + ", ".join(f"{k} {v:,.0f}" for k, v in roles.items()),
               file=sys.stderr)
         named = out[name]["pss_by_process_mb"]
         print(f"[memory] {name}: peak PSS by process " + ", ".join(f"{k} {v:,.0f}" for k, v in named.items()),
               file=sys.stderr)
+        print(f"[memory] {name}: PSS by process at the machine's peak " +
+              ", ".join(f"{k} {v:,.0f}" for k, v in out[name]["pss_at_machine_peak_mb"].items()), file=sys.stderr)
     rows = [[role, out["c3po"]["roles_mb"].get(role, 0.0), out["grpo"]["roles_mb"].get(role, 0.0)]
             for role in sorted(set(out["c3po"]["roles_mb"]) | set(out["grpo"]["roles_mb"]))]
     rows.append(["machine (PSS of all processes)", out["c3po"]["machine_mb"], out["grpo"]["machine_mb"]])

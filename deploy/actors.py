@@ -25,7 +25,7 @@ import ray
 from threepo.deploy.config import RunConfig
 from threepo.deploy.cores import CorePlacement
 from threepo.deploy.learner_actor import LearnerActor
-from threepo.deploy.metrics import peak_rss
+from threepo.deploy.metrics import peak_rss, return_free_memory
 from threepo.services.engines.base import SamplerConfig
 from threepo.services.posterior import PosteriorConfig, PosteriorServer
 from threepo.services.prompting import PromptConfig
@@ -59,6 +59,7 @@ class SamplerActor:
         if self.sampler.version != version:
             pv = ray.get(weights[0])
             self.sampler.update(version, pv.mean, pv.sigma, pv.mean_checksum, pv.noise_rank, pv.lora)
+            return_free_memory()  # what loading the version freed (deploy/metrics.py)
         batch = self.sampler.generate(requests)
         return report_of(batch), batch
 

@@ -11,7 +11,7 @@ import os
 
 import ray
 
-from threepo.deploy.metrics import peak_rss
+from threepo.deploy.metrics import peak_rss, return_free_memory
 from threepo.services.learner.core import Learner
 
 
@@ -51,9 +51,13 @@ class LearnerActor:
         resolved by Ray from the samplers' and verifiers' objects. Returns the StepResult and, when
         the step publishes, the new version's PublishedVersion (else None): the driver passes that
         second reference on to the posterior server, so a publish is no call of its own on the
-        learner and holds exactly the state after this step, whatever is queued behind it."""
+        learner and holds exactly the state after this step, whatever is queued behind it. The heap
+        the step freed goes back to the OS before the next (`return_free_memory`), the published
+        arrays' copies (serialized after this returns) at the next step's start."""
+        return_free_memory()
         batches, scores = arrays[:n_batches], arrays[n_batches:]
         result = self.learner.step(groups, batches, scores)
+        return_free_memory()
         if self.learner.ranks.first:  # one of R ranks: rank 0 speaks for the group
             record_learner_metrics(self._metrics, result, groups, self.learner.algo.exploration)
         if self.log:
