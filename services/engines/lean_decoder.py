@@ -179,6 +179,8 @@ class LeanDecoder:
         self.eps, self.device, self.scaling = cfg.rms_norm_eps, sets.device, scaling
         self.n_slots = _slot_count(layout, sets, adapters, slots)
         self.window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
+        # a decode step's attention (one query per row): two fp32 matmuls on the CPU, torch's SDPA elsewhere
+        self._one_query = _one_query_attention if sets.device.type == "cpu" else _sdpa
         rotary = model.model.rotary_emb
         self.inv_freq = rotary.inv_freq.float().to(sets.device)
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
@@ -301,11 +303,29 @@ class LeanDecoder:
             q, k = self._rotate(q.transpose(1, 2), cos, sin), self._rotate(k.transpose(1, 2), cos, sin)
             v = v.reshape(rows, t, self.kv_heads, -1).transpose(1, 2)
             k_cache[:, :, start:end], v_cache[:, :, start:end] = k, v
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=allowed, enable_gqa=self.heads != self.kv_heads)
+            out = (self._one_query if t == 1 else _sdpa)(q, k_cache[:, :, :end], v_cache[:, :, :end], allowed)
             x = x + self._linear(out.transpose(1, 2).reshape(s_n, b * t, -1), w["o_w"], w["o_b"], w["o_lora"])
             gate, up = self._linear(self._norm(x, w["post_norm"]), w["gate_up_w"], w["gate_up_b"],
                                     w["gate_up_lora"]).chunk(2, dim=-1)
             x = x + self._linear(torch.nn.functional.silu(gate) * up, w["down_w"], w["down_b"], w["down_lora"])
         last = self._norm(x.reshape(s_n, b, t, -1)[:, :, -1], self.final_norm)
         return self._linear(last, self.lm_head).reshape(rows, -1)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """softmax(q kᵀ / √d + mask) v, q [B, H, T, d] over k, v [B, KV, end, d] (grouped-query: query head
+    h reads key/value head h // (H / KV)), `allowed` [B, 1, T, end]: torch's kernel."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
+                                                            enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """`_sdpa` for one query per row (T = 1, a decode step) as two batched matmuls in fp32, the query
+    heads grouped by the key/value head they read; equal to it to fp32 rounding. On the CPU in bf16
+    torch's kernel took 6-8x as long for one query (16 rows, 9 heads over 3, 140-400 keys: 1.5 ms
+    against 0.23 ms a layer; fp32 about equal), 44% of a SmolLM2 decode step."""
+    rows, heads, _, dim = q.shape
+    kv = k.shape[1]
+    scores = torch.matmul(q.float().reshape(rows, kv, heads // kv, dim), k.float().transpose(-1, -2))
+    scores = scores.mul_(dim ** -0.5).masked_fill_(~allowed, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).reshape(rows, heads, 1, dim).to(q.dtype)
