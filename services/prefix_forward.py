@@ -128,10 +128,13 @@ def row_logprobs(model, input_ids: torch.Tensor, attn: torch.Tensor, mask: torch
     return row_token_stats(model, input_ids, attn, mask, targets, run, temperature, chunk_tokens=chunk_tokens)[0]
 
 
-def position_logits(model, input_ids: torch.Tensor, attn: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-    """Logits [P, V] (fp32) at the positions `where` [R, L-1] marks, of a plain forward of the rows: the
-    head on those positions only where `plain_head` holds, else the model's own logits selected."""
-    hidden, head = _at_positions(model, input_ids, attn, where, 0, where)
+def position_logits(model, input_ids: torch.Tensor, attn: torch.Tensor, where: torch.Tensor,
+                    mask: torch.Tensor | None = None, run: int = 0) -> torch.Tensor:
+    """Logits [P, V] (fp32) at the positions `where` [R, L-1] marks, of a plain forward of the rows, or
+    with `run` > 1 of the shared-prefix forward of rows in runs of `run` sharing a prompt (`mask`: their
+    completion mask, which `where` must lie in): the head on those positions only where `plain_head`
+    holds, else the model's own logits selected."""
+    hidden, head = _at_positions(model, input_ids, attn, where if run <= 1 else mask, run, where)
     return head(hidden).float()
 
 

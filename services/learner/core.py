@@ -163,7 +163,9 @@ class Learner:
         if decision.publish:
             self.around.on_sync()
             self.steps_since_sync = 0
-            self.noise.observe(batch.input_ids, batch.attn, batch.mask)  # the probe: this step's rollouts
+            # the probe: this step's rollouts (in runs sharing a prompt where the update's forward shares them)
+            runs = batch.rewards.shape[1] if self.shared_prefix else 0
+            self.noise.observe(batch.input_ids, batch.attn, batch.mask, runs)
             self.slots = self.noise.plan(self.model, self.optimizer, self.step_count)
         metrics.update(self.noise.latest)
         metrics["step_time_s"] = time.perf_counter() - started

@@ -3,8 +3,8 @@ the per-token KL(π_θ̂ ‖ π_m) of a served slot stays at `noise.target_kl` (
 issue 25).
 
 When the learner publishes a version, `plan` measures each slot's KL to the mean on a probe (a few
-rollouts of the latest step, their first `_POSITIONS` predicted tokens; before the first step, the
-training prompts it was given), exactly over the vocabulary at the sampler's temperature, with the
+rollouts of the latest step, their first `_POSITIONS` predicted tokens, in runs of rows of one prompt
+whose prompt is computed once; before the first step, the training prompts it was given), exactly over the vocabulary at the sampler's temperature, with the
 slot built as the engines will serve it (σ zero outside the noise mask, times c). A slot whose KL
 exceeds `noise.gate` × target is redrawn with the next seed (`exploration.noise_seed`), up to
 `_REDRAWS` times, keeping the closest draw if none passes. The version serves its slots at the scale
@@ -55,12 +55,22 @@ class NoiseControl:
         self.device = torch.device(device)
         self.probe = _prompt_probe(prompts, self.device) if prompts else None
 
-    def observe(self, input_ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor) -> None:
-        """Take `probe_rows` rows of a step's batch, evenly spread, as the probe (their first predicted
-        tokens: `mask` [B, L-1] marks where position t predicts a completion token)."""
-        rows = torch.linspace(0, len(input_ids) - 1, min(self.cfg.probe_rows, len(input_ids))).round().long()
+    def observe(self, input_ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor, group: int = 0) -> None:
+        """Take about `probe_rows` rows of a step's batch, evenly spread, as the probe (their first
+        predicted tokens: `mask` [B, L-1] marks where position t predicts a completion token). With
+        `group` > 1 the batch's rows come in consecutive groups of that many sharing a prompt: the probe
+        then takes runs of rows of one group (two from each of `probe_rows` / 2 groups, more from each
+        where there are fewer groups), and each run's prompt is computed once (prefix_forward)."""
+        groups = len(input_ids) // group if group > 1 and self.cfg.probe_rows > 1 else 0
+        if groups:
+            used = min(groups, self.cfg.probe_rows // 2)
+            run = min(group, self.cfg.probe_rows // used)
+            firsts = torch.linspace(0, groups - 1, used).round().long() * group
+            rows = (firsts[:, None] + torch.arange(run)).flatten()
+        else:
+            run, rows = 0, torch.linspace(0, len(input_ids) - 1, min(self.cfg.probe_rows, len(input_ids))).round().long()
         where = mask[rows].bool() & (mask[rows].cumsum(1) <= _POSITIONS)
-        self.probe = (input_ids[rows].detach(), attn[rows].detach(), where)
+        self.probe = (input_ids[rows].detach(), attn[rows].detach(), where, mask[rows].detach(), run)
 
     def plan(self, model, optimizer, step: int) -> list[tuple[int, float]] | None:
         """(seed, scale) of each slot of the version published at learner step `step`, or None without a
@@ -129,11 +139,15 @@ class NoiseControl:
         return [self._chunk_logits(model, rows) for rows in self._chunks()]
 
     def _chunks(self) -> list[slice]:
-        return [slice(r, r + _ROWS) for r in range(0, len(self.probe[0]), _ROWS)]
+        """About `_ROWS` rows per chunk, whole runs of a shared prompt."""
+        run = self.probe[-1]
+        size = max(1, _ROWS // run) * run if run else _ROWS
+        return [slice(r, r + size) for r in range(0, len(self.probe[0]), size)]
 
     def _chunk_logits(self, model, rows: slice) -> torch.Tensor:
         """The logits where the probe's `rows` predict a token (`prefix_forward.position_logits`)."""
-        return position_logits(model, *(t[rows] for t in self.probe))
+        *tensors, run = self.probe
+        return position_logits(model, *(t[rows] for t in tensors), run=run)
 
     def state(self) -> dict:
         return {"noise_scale": self.scale, "noise_calibrated": self.calibrated}
@@ -153,7 +167,7 @@ def _prompt_probe(prompts: list[list[int]], device: torch.device):
         ids[r, :len(p)] = torch.tensor(p, dtype=torch.long)
         attn[r, :len(p)] = 1
     where = attn[:, 1:].bool() & (attn[:, 1:].cumsum(1) <= _POSITIONS)
-    return ids, attn, where
+    return ids, attn, where, where, 0
 
 
 class FixedNoise:
@@ -162,7 +176,7 @@ class FixedNoise:
 
     latest: dict = {}
 
-    def observe(self, input_ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor) -> None:
+    def observe(self, input_ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor, group: int = 0) -> None:
         pass
 
     def plan(self, model, optimizer, step: int) -> None:

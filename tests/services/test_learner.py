@@ -574,3 +574,28 @@ def test_a_diverged_policy_stops_the_learner_with_one_line_naming_the_learning_r
         learner.named[0][1].fill_(float("nan"))  # what a step at a learning rate far too large leaves
     with pytest.raises(FloatingPointError, match=r"diverged .* optim.name=adamw, optim.lr=10: lower optim.lr"):
         _step(learner, groups)
+
+
+def test_the_probe_takes_runs_of_rows_sharing_a_prompt_and_measures_what_a_plain_forward_does(sampler, tiny_dense_path,
+                                                                                             monkeypatch):
+    from threepo.services import prefix_forward
+    learner = Learner(tiny_dense_path, AlgoConfig(exploration="c3po", n_slots=4, group_size=8), OptimConfig(),
+                      SyncConfig(max_staleness=1), temperature=1.0, max_new_tokens=10, noise=NoiseConfig(target_kl=0.01))
+    groups = _groups(sampler, learner, "c3po", 4, 8)
+    assert _step(learner, groups).publish
+    control = learner.noise
+    ids, attn, where, mask, run = control.probe
+    # 3 groups of 8 rows: 16 probe rows -> 5 of each group, consecutive, one prompt per run
+    assert run == 5 and len(ids) == 15
+    batch = collate(*batches_from_groups(groups))
+    for g in range(3):
+        assert torch.equal(ids[5 * g:5 * g + 5], batch.input_ids[8 * g:8 * g + 5])
+    assert [c.stop - c.start for c in control._chunks()] == [5, 5, 5]  # whole runs
+    shared_calls, original = [], prefix_forward.shared_prefix_hidden
+    monkeypatch.setattr(prefix_forward, "shared_prefix_hidden",
+                        lambda *a, **k: shared_calls.append(a[3]) or original(*a, **k))
+    shared = [control._kl(learner.model, learner.optimizer, seed, control.logits(learner.model)) for seed in (11, 12)]
+    control.probe = (ids, attn, where, mask, 0)  # the same rows, each through a plain forward
+    plain = [control._kl(learner.model, learner.optimizer, seed, control.logits(learner.model)) for seed in (11, 12)]
+    assert shared == pytest.approx(plain, rel=1e-4) and shared[0] != shared[1]
+    assert shared_calls == [5] * 12  # per seed the mean and the slot, 3 chunks each, every prompt once
