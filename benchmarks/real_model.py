@@ -9,8 +9,8 @@ Parts (`--parts`, default engine, memory and learn; in this order):
   T = 1, the same prompts and limit, the same threads), and a 4-slot C3PO call against a 1-slot call
   of the same rows (time per generated token);
 - `memory`: peak memory per role (summary.json: peak RSS of each process) and of the whole machine
-  (the sum of every process's PSS above its value at start, sampled every 0.5 s) of short C3PO and
-  GRPO runs;
+  (the sum of every process's PSS above its value at start, sampled every 0.5 s, and what each process
+  held in the sample where it peaked) of short C3PO and GRPO runs;
 - `wall`: C3PO against GRPO at the exploration study's real-model settings (8 prompts x 8 rollouts x
   64 tokens, T 0.7, each arm's optimizer as there: `REAL_ARMS`), `--wall-steps` steps each: wall per
   step, learner step and CPU per step of each role (target: C3PO / GRPO wall <= 1.10);
