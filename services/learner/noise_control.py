@@ -4,20 +4,19 @@ issue 25).
 
 When the learner publishes a version, `plan` measures each slot's KL to the mean on a probe (a few
 rollouts of the latest step, their first `_POSITIONS` predicted tokens, in runs of rows of one prompt
-whose prompt is computed once; before the first step, the training prompts it was given), exactly over the vocabulary at the sampler's temperature, with the
-slot built as the engines will serve it (σ zero outside the noise mask, times c). A slot whose KL
-exceeds `noise.gate` × target is redrawn with the next seed (`exploration.noise_seed`), up to
-`_REDRAWS` times, keeping the closest draw if none passes. The version serves its slots at the scale
-just measured; the median KL of the first draws (of the scale, not of the gate's choice) sets the
-next version's scale: half the quadratic law's step in log c (`_GAIN`: the probe's sampling noise
-moves c less). The median, not the mean: a slot's KL is heavy-tailed in z (on the embedded model at
-twice the target's scale, one draw in eight measured 25x the others' KL, a draw that breaks the
-policy), which is the gate's business, not the scale's. At the start, with no rollouts yet, the scale
-is calibrated on the prompts, on the first `_CALIBRATION_SLOTS` slots, in up to `_CALIBRATION`
-rounds (the quadratic law's step, then bisection once the target is bracketed) before the first
-version is served. The scale
-stays at most `_MAX_SCALE`: where the noise cannot reach the target (a masked model's KL saturates)
-it stops there rather than growing without bound.
+whose prompt is computed once; before the first step, the training prompts it was given), exactly over
+the vocabulary at the sampler's temperature, with the slot built as the engines will serve it (σ zero
+outside the noise mask, times c). A slot whose KL exceeds `noise.gate` × target is redrawn with the next
+seed (`exploration.noise_seed`), up to `_REDRAWS` times, keeping the closest draw if none passes. The
+version serves its slots at the scale just measured; the median KL of the first draws (of the scale, not
+of the gate's choice) sets the next version's scale: half the quadratic law's step in log c (`_GAIN`:
+the probe's sampling noise moves c less). The median, not the mean: a slot's KL is heavy-tailed in z (on
+the embedded model at twice the target's scale, one draw in eight measured 25x the others' KL, a draw
+that breaks the policy), which is the gate's business, not the scale's. At the start, with no rollouts
+yet, the scale is calibrated on the prompts, on the first `_CALIBRATION_SLOTS` slots, in up to
+`_CALIBRATION` rounds (the quadratic law's step, then bisection once the target is bracketed) before the
+first version is served. The scale stays at most `_MAX_SCALE`: where the noise cannot reach the target
+(a masked model's KL saturates) it stops there rather than growing without bound.
 
 The metrics (every step logs the latest version's): noise_scale (c served), noise_kl (median first-draw
 KL at it), noise_kl_served_max (the largest KL among the served slots), noise_redraws.
