@@ -176,7 +176,7 @@ class MachineMemory:
     def __init__(self) -> None:
         import psutil
 
-        self.psutil, self.stop_flag, self.by_name, self.peak_names = psutil, False, {}, {}
+        self.psutil, self.stop_flag, self.by_name = psutil, False, {}
         self.base, self.peak_names = self._pss()
         self.peak = self.base
         self.thread = threading.Thread(target=self._loop, daemon=True)

@@ -115,9 +115,9 @@ def slot_names(layout: WeightLayout, noised) -> list[str]:
     member of a fused group (q/k/v, gate/up) any of them belongs to (a fused matmul reads one set),
     in `layout`'s order."""
     noised, whole = set(noised), set()
-    for key in layout.fused:
-        if noised.intersection(layout.members(key)):
-            whole.update(layout.members(key))
+    for members in map(layout.members, layout.fused):
+        if noised.intersection(members):
+            whole.update(members)
     return [n for n in layout.spans if n in noised or n in whole]
 
 
