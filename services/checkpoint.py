@@ -189,7 +189,11 @@ def save_tensors(path: str | os.PathLike, tensors: Mapping[str, Any]) -> None:
     """Save a dict of numpy arrays and/or torch tensors to one safetensors file.
 
     Each entry's kind is recorded in the file's metadata, so `load_tensors` gives numpy back as
-    numpy and torch as torch (bfloat16 included, which numpy cannot hold)."""
+    numpy and torch as torch (bfloat16 included, which numpy cannot hold). Contiguous arrays and
+    tensors are written from their own memory, read-only ones too (a posterior server's published
+    versions: copying them doubled its memory while it saved)."""
+    import warnings
+
     import torch
     from safetensors.torch import save_file
 
@@ -197,8 +201,9 @@ def save_tensors(path: str | os.PathLike, tensors: Mapping[str, Any]) -> None:
     for name, value in tensors.items():
         if isinstance(value, np.ndarray):
             array = np.ascontiguousarray(value)
-            # torch.from_numpy warns on read-only arrays (e.g. decoded messages): copy those.
-            out[name] = torch.from_numpy(array if array.flags.writeable else array.copy())
+            with warnings.catch_warnings():  # torch warns that a read-only array is not writable: only read here
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                out[name] = torch.from_numpy(array)
             kinds[name] = "numpy"
         elif isinstance(value, torch.Tensor):
             out[name], kinds[name] = value.detach().to("cpu").contiguous(), "torch"

@@ -5,6 +5,8 @@ and torch."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -132,3 +134,29 @@ def test_save_tensors_as_a_checkpoint_file(tmp_path):
     np.testing.assert_array_equal(load_tensors(latest_checkpoint(tmp_path) / "posterior.safetensors")["mean"],
                                   state["mean"])
     assert json.loads((path / "meta.json").read_text())["versions"] == [2, 3]
+
+
+_SAVE_READ_ONLY = """
+import sys, numpy as np, torch, safetensors.torch  # imported before the peak is reset
+from threepo.services.checkpoint import save_tensors
+def peak():  # the process's peak resident MiB since the last reset
+    return next(int(l.split()[1]) >> 10 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+arrays = {f"v0/mean/{i}": np.ones(16 << 20, np.float32) for i in range(4)}  # 256 MB, as a published version
+for a in arrays.values():
+    a.flags.writeable = False  # as the posterior server holds them
+open("/proc/self/clear_refs", "w").write("5")
+before = peak()
+save_tensors(sys.argv[1], arrays)
+print(before, peak())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process's peak from /proc")
+def test_saving_read_only_arrays_does_not_copy_them(tmp_path):
+    out = subprocess.run([sys.executable, "-c", _SAVE_READ_ONLY, str(tmp_path / "p.safetensors")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, peak = map(int, out.stdout.split())
+    assert peak - before < 64, (before, peak)  # a copy of the arrays would add 256 MiB
+    loaded = load_tensors(tmp_path / "p.safetensors")
+    assert sorted(loaded) == [f"v0/mean/{i}" for i in range(4)] and all(float(a.min()) == 1.0 for a in loaded.values())
