@@ -61,6 +61,7 @@ class SamplerActor:
             self.sampler.update(version, pv.mean, pv.sigma, pv.mean_checksum, pv.noise_rank, pv.lora)
             return_free_memory()  # what loading the version freed (deploy/metrics.py)
         batch = self.sampler.generate(requests)
+        return_free_memory()  # what the call's KV cache and logits freed: the sampler rests lower between calls
         return report_of(batch), batch
 
     def stats(self) -> dict:
