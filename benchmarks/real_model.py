@@ -9,8 +9,10 @@ Parts (`--parts`, default engine, memory and learn; in this order):
   T = 1, the same prompts and limit, the same threads), and a 4-slot C3PO call against a 1-slot call
   of the same rows (time per generated token);
 - `memory`: peak memory per role (summary.json: peak RSS of each process) and of the whole machine
-  (the sum of every process's PSS above its value at start, sampled every 0.5 s, and what each process
-  held in the sample where it peaked) of short C3PO and GRPO runs;
+  (`MachineMemory`: every process's PSS less its shared memory, plus the shared memory once — Ray's
+  object store — above its value at start, sampled every 0.5 s; what each process held in the sample
+  where it peaked; and every process at its own peak at once, a bound) of short C3PO and GRPO runs,
+  `--memory-runs` of each (2; the worst counts: a run's peak depends on whether roles' peaks meet);
 - `wall`: C3PO against GRPO at the exploration study's real-model settings (8 prompts x 8 rollouts x
   64 tokens, T 0.7, each arm's optimizer as there: `REAL_ARMS`), `--wall-steps` steps each: wall per
   step, learner step and CPU per step of each role (target: C3PO / GRPO wall <= 1.10);
@@ -21,7 +23,7 @@ Parts (`--parts`, default engine, memory and learn; in this order):
   no instruction: pass@1 0.25 greedy, 0.10 at T 0.7) and samples at T 0.7 (`sampler.temperature`),
   `--learn-tokens` 128 tokens, `--learn-group` 8 rollouts per prompt.
 
-    python3 benchmarks/real_model.py                       # engine, memory, learn (~1.5 h on 2 cores)
+    python3 benchmarks/real_model.py                       # engine, memory, learn (~1.7 h on 2 cores)
     python3 benchmarks/real_model.py --parts wall          # ~15 min
     python3 benchmarks/real_model.py --parts engine --quick
 """
@@ -250,7 +252,16 @@ def _meminfo(field: str) -> int:
 def memory_part(model: str, data: str, args) -> dict:
     """Peak memory per role and of the machine, C3PO and GRPO, a few steps each, `--memory-runs` runs
     of each (alternating): a run's machine peak depends on whether the learner's backward and a
-    sampler's call meet, so each arm's figure is its worst run."""
+    sampler's call meet, so each arm's figure is its worst run. Each run has a Ray cluster of its own:
+    the object store keeps the shared memory it has touched until it stops, and a later run on the
+    same cluster would reuse it unseen (its start would already count it)."""
+    import importlib
+
+    import ray
+
+    for module in ("transformers", "threepo.deploy.actors", "threepo.deploy.run"):
+        importlib.import_module(module)  # what every run's driver imports: before the first run is measured
+
     arms = (("c3po", None, ["optim.ess=1e7"]), ("grpo", "grpo_baseline", []))
     out = {name: {"runs": []} for name, _, _ in arms}
     for r in range(args.memory_runs):
@@ -259,6 +270,7 @@ def memory_part(model: str, data: str, args) -> dict:
             run = _common.train_run(model, run_overrides(model, data, args) + [
                 f"runtime.steps={args.memory_steps}", "eval.around_training=false", *extra],
                 f"memory {name} {r + 1}/{args.memory_runs}", recipe=recipe)
+            ray.shutdown()
             figures = {"machine_mb": meter.stop(), "all_at_once_mb": meter.all_at_once_mb,
                        "roles_mb": run["summary"]["peak_memory_mb"], "pss_by_process_mb": meter.named_mb(),
                        "at_machine_peak_mb": meter.at_peak(),
