@@ -146,6 +146,35 @@ def test_optimizer_gradsq_step_by_hand():
     torch.testing.assert_close(w.detach(), torch.tensor([2 - 0.2 * 4 / 30.430625]))
 
 
+@pytest.mark.parametrize("hess_approx", ["price", "gradsq"])
+def test_step_in_pieces_is_the_whole_tensor_update(monkeypatch, hess_approx):
+    """`IVON.step` updates each tensor in flat pieces (bounded temporaries): with pieces of 5 on a
+    [4, 6] weight (the last piece short) m, h and g_m are exactly the pure functions on whole tensors."""
+    from threepo.algorithms import ivon
+
+    monkeypatch.setattr(ivon, "_STEP_CHUNK", 5)
+    hp = dict(lr=0.1, ess=50.0, hess_init=0.7, beta1=0.9, beta2=0.99, weight_decay=1e-2, clip_radius=0.05,
+              hess_approx=hess_approx)
+    w = torch.nn.Parameter(torch.linspace(-1, 1, 24).reshape(4, 6))
+    opt = IVON([("w", w)], **hp)
+    target = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    for step in range(1, 4):
+        m, h, g_m = (opt.state["w"][k].clone() for k in ("mean", "hess", "momentum"))
+        with opt.sampled_params(seed=step):
+            ((w - target) ** 2 * torch.arange(24.0).reshape(4, 6)).sum().backward()
+        averages = {k.split("/")[0]: v.clone() for k, v in opt.sample_averages().items()}
+        opt.step()
+        est = (price_hessian_estimate(averages["nxg"], h, hp["ess"], hp["weight_decay"]) if hess_approx == "price"
+               else gradsq_hessian_estimate(averages["gsq"], hp["ess"]))
+        g_m = momentum_update(g_m, averages["grad"], hp["beta1"])
+        h = hessian_update(h, est, hp["beta2"], hp["weight_decay"])
+        m = mean_step(m, g_m, h, lr=hp["lr"], step=step, beta1=hp["beta1"], weight_decay=hp["weight_decay"],
+                      hess_init=hp["hess_init"], clip_radius=hp["clip_radius"], rescale_lr=True, debias=True)
+        for kind, expected in (("momentum", g_m), ("hess", h), ("mean", m)):
+            assert torch.equal(opt.state["w"][kind], expected), (step, kind)
+        assert torch.equal(w.detach(), m)
+
+
 def _reference_run(mean, a, b, hp, seeds_per_step, name="w"):
     """Loop reference in float64: same noise (param_noise), gradient of ½θᵀAθ − bᵀθ at θ̂."""
     m, h, g_m = mean.clone(), torch.full_like(mean, hp["hess_init"]), torch.zeros_like(mean)
