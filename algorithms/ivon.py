@@ -1,29 +1,27 @@
 """IVON, the diagonal Gaussian posterior q(θ) = N(m, σ²) over the weights (algorithms.md §1).
 
-What this is: the update of §1.2 re-derived from its formulas (ivon-opt is GPL-3.0; nothing here is
-copied from it or imports it) as pure tensor functions, and `IVON`, a torch optimizer built on them.
-Its state (fp32 mean m, Hessian h, momentum g_m; the step count t in the param group) is keyed by
-parameter name and exports to the layout of §1.6. A sample θ̂ = m + σ ⊙ z is written with
-`param_noise.load_perturbed`, so the θ̂ of a seed is exactly the one a sampler engine builds.
+What this is: the update of §1.2 re-derived from its formulas (ivon-opt is GPL-3.0; nothing here is copied
+from it or imports it) as pure tensor functions, and `IVON`, a torch optimizer built on them. Its state (fp32
+mean m, Hessian h, momentum g_m; the step count t in the param group) is keyed by parameter name and exports
+to the layout of §1.6. A sample θ̂ = m + σ ⊙ z is written with `param_noise.load_perturbed`, so the θ̂ of a
+seed is exactly the one a sampler engine builds.
 
-What this is not: no collectives (a data-parallel learner sums the gradients over its ranks before
-each sample is folded in and steps only the tensors it owns: ivon_shard.py), no schedule (set
-`param_groups[0]["lr"]`), no file I/O (`export_state` returns tensors and a JSON-able dict), no
-closure-driven MC loop.
+What this is not: no collectives (a data-parallel learner sums the gradients over its ranks before each sample
+is folded in and steps only the tensors it owns: ivon_shard.py), no schedule (set `param_groups[0]["lr"]`), no
+file I/O (`export_state` returns tensors and a JSON-able dict), no closure-driven MC loop.
 
 Departures from ivon-opt 0.1.3 (§1.5), each deliberate:
-- gradients are zeroed between MC samples (§1.5 item 10 [OURS]); a `.grad` of None counts as zeros
-  (unrouted MoE experts, §1.5 item 1);
-- state and the mean are fp32 whatever the parameter dtype; m lives in the state and p.data is a
-  copy of it, restored with `copy_` in a `finally` (never rebound, never by subtracting noise);
-- z is drawn per tensor from (seed, name) on the parameter's device (`param_noise.noise_like`), not
-  one flat randn, and drawn again when the sample is folded in rather than kept (§1.5 item 5, §1.6);
+- gradients are zeroed between MC samples (§1.5 item 10 [OURS]); a `.grad` of None counts as zeros (unrouted
+  MoE experts, §1.5 item 1);
+- state and the mean are fp32 whatever the parameter dtype; m lives in the state and p.data is a copy of it,
+  restored with `copy_` in a `finally` (never rebound, never by subtracting noise);
+- z is drawn per tensor from (seed, name) on the parameter's device (`param_noise.noise_like`), not one flat
+  randn, and drawn again when the sample is folded in rather than kept (§1.5 item 5, §1.6);
 - a training sample with `seed=None` has ε = 0, so its Price Hessian estimate is exactly 0;
 - the step count lives in the param group, so `state_dict()` and `export_state()` both carry it;
 - constructor defaults are the project's system defaults (§7, the 3PO values), not ivon-opt's;
-- `load_exported_state` takes the hyperparameters from the constructor (the config owns them); the
-  exported ones are informational, for the posterior server.
-"""
+- `load_exported_state` takes the hyperparameters from the constructor (the config owns them); the exported
+  ones are informational, for the posterior server."""
 
 from __future__ import annotations
 
@@ -201,23 +199,20 @@ class IVON(torch.optim.Optimizer):
         group["step"] += 1
         hyper = {k: group[k] for k in ("lr", "step", "beta1", "weight_decay", "hess_init", "clip_radius",
                                        "rescale_lr", "debias")}
-        second = "nxg" if group["hess_approx"] == "price" else "gsq"
         for name, p in self._named():
             st, avg = self.state[name], self._avg.pop(name)
-            # new values copied into the state's own tensors: long-lived buffers never move, so the
-            # heap does not fragment around them (a 135M model's step peaked 0.9 GB higher otherwise);
-            # in flat pieces of _STEP_CHUNK, so the update's temporaries stay a few of those (not a few
-            # of a 113 MB embedding); every operation is elementwise: the same values as whole tensors
-            flat = {k: st[k].view(-1) for k in _STATE_KINDS}
+            # new values copied into the state's own tensors (long-lived buffers never move: a 135M model's step
+            # peaked 0.9 GB higher otherwise), a flat piece at a time: each operation is elementwise (the same
+            # values), and the temporaries are a few pieces, not a few copies of a 113 MB embedding
+            m, h, g_m = (st[k].view(-1) for k in _STATE_KINDS)
+            second = "nxg" if "nxg" in avg else "gsq"
             grad, moment = avg["grad"].reshape(-1), avg[second].reshape(-1)
-            for a in range(0, flat["mean"].numel(), _STEP_CHUNK):
-                piece = slice(a, a + _STEP_CHUNK)
-                momentum, hess, mean = flat["momentum"][piece], flat["hess"][piece], flat["mean"][piece]
-                momentum.copy_(momentum_update(momentum, grad[piece], group["beta1"]))
-                est = (price_hessian_estimate(moment[piece], hess, group["ess"], group["weight_decay"])
-                       if second == "nxg" else gradsq_hessian_estimate(moment[piece], group["ess"]))
-                hess.copy_(hessian_update(hess, est, group["beta2"], group["weight_decay"]))
-                mean.copy_(mean_step(mean, momentum, hess, **hyper))
+            for at in (slice(a, a + _STEP_CHUNK) for a in range(0, m.numel(), _STEP_CHUNK)):
+                g_m[at] = momentum_update(g_m[at], grad[at], group["beta1"])
+                est = (price_hessian_estimate(moment[at], h[at], group["ess"], group["weight_decay"])
+                       if second == "nxg" else gradsq_hessian_estimate(moment[at], group["ess"]))
+                h[at] = hessian_update(h[at], est, group["beta2"], group["weight_decay"])
+                m[at] = mean_step(m[at], g_m[at], h[at], **hyper)
             del avg, grad, moment  # this tensor's accumulators are spent
             p.copy_(st["mean"])
         self._reset_samples()
@@ -279,17 +274,10 @@ class IVON(torch.optim.Optimizer):
         self._reset_samples()
 
     @torch.no_grad()
-    def sigma_percentiles(self, quantiles: tuple[float, ...] = (0.01, 0.5, 0.99),
-                          max_points: int = 1 << 20) -> dict[str, float]:
-        """σ over all parameters for logging the runaway-σ hazard (feasibility.md, end): {'p1', 'p50',
-        'p99' (per `quantiles`), 'max', 'max_over_init' = max σ / σ0} with σ0 = 1/sqrt(λ(h0+δ)).
-        Percentiles use an evenly strided subsample of at most ~`max_points` entries; the max is exact."""
-        return self.sigma_summary(*self.sigma_points(max_points), quantiles)
-
-    @torch.no_grad()
     def sigma_points(self, max_points: int) -> tuple[torch.Tensor, float]:
         """An evenly strided subsample of σ over this optimizer's tensors (CPU fp32, at most
-        ~`max_points`) and the exact max σ; several shards' are concatenated for `sigma_summary`."""
+        ~`max_points`) and the exact max σ; several shards' are concatenated for `sigma_summary`
+        (σ over all parameters, for logging the runaway-σ hazard: feasibility.md, end)."""
         total = sum(p.numel() for _, p in self._named())
         stride = max(1, math.ceil(total / max(max_points, 1)))
         points, top, group = [], 0.0, self.param_groups[0]
@@ -301,7 +289,8 @@ class IVON(torch.optim.Optimizer):
 
     def sigma_summary(self, points: torch.Tensor, top: float,
                       quantiles: tuple[float, ...] = (0.01, 0.5, 0.99)) -> dict[str, float]:
-        """`sigma_percentiles`' figures from σ `points` and their max `top`."""
+        """From σ `points` and their max `top`: {'p1', 'p50', 'p99' (per `quantiles`), 'max',
+        'max_over_init' = max σ / σ0} with σ0 = 1/sqrt(λ(h0+δ))."""
         group = self.param_groups[0]
         quant = torch.quantile(points.double(), torch.tensor(quantiles, dtype=torch.float64))
         sigma0 = 1.0 / math.sqrt(group["ess"] * (group["hess_init"] + group["weight_decay"]))

@@ -421,14 +421,14 @@ def test_torch_state_dict_round_trip_keeps_step_and_mean():
 def test_sigma_percentiles():
     w = torch.nn.Parameter(torch.zeros(100))
     opt = IVON([("w", w)], lr=1.0, ess=100.0, hess_init=1.0, weight_decay=0.0)
-    stats = opt.sigma_percentiles()
+    stats = opt.sigma_summary(*opt.sigma_points(1 << 20))
     # σ0 = 1/sqrt(100 · 1) = 0.1 everywhere at the start
     assert stats["p50"] == pytest.approx(0.1) and stats["max_over_init"] == pytest.approx(1.0)
     opt.state["w"]["hess"][:10] = 0.01  # σ = 1/sqrt(100 · 0.01) = 1: a runaway tenth
-    stats = opt.sigma_percentiles(quantiles=(0.5, 0.95))
+    stats = opt.sigma_summary(*opt.sigma_points(1 << 20), quantiles=(0.5, 0.95))
     assert stats["p50"] == pytest.approx(0.1) and stats["p95"] == pytest.approx(1.0)
     assert stats["max"] == pytest.approx(1.0) and stats["max_over_init"] == pytest.approx(10.0)
-    assert opt.sigma_percentiles(max_points=7)["max"] == pytest.approx(1.0)  # the max stays exact
+    assert opt.sigma_summary(*opt.sigma_points(max_points=7))["max"] == pytest.approx(1.0)  # the max stays exact
 
 
 def test_bayesian_linear_regression_matches_closed_form_posterior():
