@@ -34,6 +34,7 @@ import torch
 from threepo.algorithms.param_noise import SigmaView, load_perturbed, noise_like, posterior_sigma
 
 HESS_APPROX = ("price", "gradsq")
+_SECOND = {"price": "nxg", "gradsq": "gsq"}  # the accumulated second moment of each hess_approx
 _STATE_KINDS = ("mean", "hess", "momentum")
 _STEP_CHUNK = 1 << 22  # elements of a tensor `IVON.step` updates at once (16 MB in fp32)
 _HYPER = ("lr", "ess", "hess_init", "beta1", "beta2", "weight_decay", "clip_radius", "rescale_lr",
@@ -163,7 +164,7 @@ class IVON(torch.optim.Optimizer):
         # z is drawn again from (seed, name), tensor by tensor, rather than held through the backward:
         # a whole copy of the model less at the learner's peak, for one more draw per update
         self._count += 1
-        second = "nxg" if self.param_groups[0]["hess_approx"] == "price" else "gsq"
+        second = _SECOND[self.param_groups[0]["hess_approx"]]
         sigmas = self.sigma_by_name()
         for name, p in self._named():
             mean = self.state[name]["mean"]
@@ -205,7 +206,7 @@ class IVON(torch.optim.Optimizer):
             # peaked 0.9 GB higher otherwise), a flat piece at a time: each operation is elementwise (the same
             # values), and the temporaries are a few pieces, not a few copies of a 113 MB embedding
             m, h, g_m = (st[k].view(-1) for k in _STATE_KINDS)
-            second = "nxg" if "nxg" in avg else "gsq"
+            second = _SECOND[group["hess_approx"]]
             grad, moment = avg["grad"].reshape(-1), avg[second].reshape(-1)
             for at in (slice(a, a + _STEP_CHUNK) for a in range(0, m.numel(), _STEP_CHUNK)):
                 g_m[at] = momentum_update(g_m[at], grad[at], group["beta1"])

@@ -59,9 +59,9 @@ class SamplerActor:
         if self.sampler.version != version:
             pv = ray.get(weights[0])
             self.sampler.update(version, pv.mean, pv.sigma, pv.mean_checksum, pv.noise_rank, pv.lora)
-            return_free_memory()  # what loading the version freed (deploy/metrics.py)
         batch = self.sampler.generate(requests)
-        return_free_memory()  # what the call's KV cache and logits freed: the sampler rests lower between calls
+        # what the call (and a version it loaded) freed goes back to the OS: the sampler rests lower between calls
+        return_free_memory()
         return report_of(batch), batch
 
     def stats(self) -> dict:
