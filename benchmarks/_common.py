@@ -216,6 +216,29 @@ def loop_figures(rows: list[dict]) -> dict:
     }
 
 
+def learner_phases(rows: list[dict]) -> dict:
+    """The learner's seconds per step by phase over steps 2..T-1 (metrics.jsonl `cpu/<phase>_s` and
+    `time/<phase>_s`: services/learner/phases.py), as {'cpu': {phase: s}, 'wall': {phase: s}}."""
+    timed = rows[1:-1] if len(rows) >= 3 else rows
+    out = {}
+    for kind, prefix in (("cpu", "cpu/"), ("wall", "time/")):
+        keys = sorted({k for r in timed for k in r if k.startswith(prefix) and k.endswith("_s")})
+        out[kind] = {k[len(prefix):-2]: sum(r.get(k, 0.0) for r in timed) / len(timed) for k in keys}
+    return out
+
+
+def publish_reasons(rows: list[dict]) -> dict:
+    """How many steps published, by reason (kl, ess, staleness), the steps without a publish, and the
+    rollouts' mean staleness (learner steps between the version that sampled them and their step)."""
+    out: dict = {}
+    for r in rows:
+        key = r.get("sync_reason") or "none"
+        out[key] = out.get(key, 0) + 1
+    stale = [r["staleness_mean"] for r in rows if "staleness_mean" in r]
+    out["staleness_mean"] = round(statistics.mean(stale), 2) if stale else float("nan")
+    return out
+
+
 def engine_busy(rows: list[dict]) -> dict:
     """Each engine's busy fraction over `rows` (metrics.jsonl `engine_busy/engine<i>`: its
     generating seconds ÷ the step's window), weighted by the windows (`time_window_s`); 'mean' is

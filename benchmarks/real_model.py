@@ -40,6 +40,8 @@ import time
 
 import _common
 
+from threepo.services.learner.phases import PHASES
+
 INSTRUCTION = "Give the final answer as \\boxed{N}, where N is the number."
 # how answers are asked for and scored where the model is trained (it does not box them: module docstring)
 LAST_NUMBER = ("prompt.instruction=", 'verifier.options=[["math", "answer", "last_number"]]')
@@ -59,8 +61,11 @@ REAL_SIZES = ["data.format=gsm8k", "sampler.temperature=0.7", "learner.bf16=true
 # precision δ scaled down with lr (1e-8), so that the pull towards zero stays ≤ the default's.
 # LoRA arms: adapters at 10x the full model's step (the usual LoRA learning rate; B starts at zero),
 # AdamW lr 2e-4 and IVON's sign-like step α ξ = 2e-4.
+_IVON_REAL = ["optim.ess=1e7", "optim.lr=1000", "optim.clip_radius=2e-7", "optim.weight_decay=1e-8"]
 REAL_ARMS = {"grpo": ["optim.lr=2e-5"],
-             "c3po": ["optim.ess=1e7", "optim.lr=1000", "optim.clip_radius=2e-7", "optim.weight_decay=1e-8"],
+             "c3po": _IVON_REAL,
+             # GRPO on C3PO's optimizer with no parameter noise (the mean served): what isolates the noise
+             "grpo_ivon": ["algo.exploration=grpo", "algo.n_slots=1", *_IVON_REAL],
              "grpo_lora": ["optim.lr=2e-4"],
              "c3po_lora": ["optim.ess=1e7", "optim.lr=1000", "optim.clip_radius=2e-6", "optim.weight_decay=1e-8"]}
 
@@ -302,25 +307,43 @@ def memory_part(model: str, data: str, args) -> dict:
     return out
 
 
+WALL_ARMS = (("c3po", None), ("grpo", "grpo_baseline"), ("grpo_ivon", None))
+
+
 def wall_part(model: str, data: str, args) -> dict:
-    """C3PO (N = 4) against GRPO (`grpo_baseline`) at the exploration study's real-model settings
-    (`REAL_SIZES`, `REAL_ARMS`), `--wall-steps` steps each: the loop's wall per step and the learner's
-    step over steps 2..T-1 (`_common.loop_figures`), and the CPU seconds per step of each role."""
+    """C3PO (N = 4) against GRPO (`grpo_baseline`, AdamW) and GRPO on IVON with no noise (C3PO's
+    optimizer, the mean served) at the exploration study's real-model settings (`REAL_SIZES`,
+    `REAL_ARMS`), `--wall-steps` steps each: the loop's wall per step and the learner's step over
+    steps 2..T-1 (`_common.loop_figures`), the CPU seconds per step of each role, and the learner's CPU
+    seconds per step by phase (`_common.learner_phases`; services/learner/phases.py)."""
     out = {}
-    for name, recipe in (("c3po", None), ("grpo", "grpo_baseline")):
+    for name, recipe in WALL_ARMS:
         run = _common.train_run(model, [f"data.path={data}", *REAL_SIZES, *LAST_NUMBER, *REAL_ARMS[name],
                                         f"runtime.steps={args.wall_steps}", *args.overrides], f"wall {name}",
                                 recipe=recipe)
         out[name] = {k: run[k] for k in ("step_wall_s", "learner_step_s", "tokens_per_step", "engine_busy", "cpu",
                                          "run_wall_s")}
+        out[name]["phases"] = _common.learner_phases(run["rows"])
+        out[name]["publishes"] = _common.publish_reasons(run["rows"])
     rows = [[name, f["step_wall_s"], f["learner_step_s"], f["tokens_per_step"], f["engine_busy"].get("mean", 0.0),
              f["cpu"]["per_step_s"]["learner"], f["cpu"]["per_step_s"]["samplers"], f["cpu"]["per_step_s"]["total"]]
             for name, f in out.items()]
     _common.table(f"SmolLM2-135M, C3PO against GRPO, {args.wall_steps} steps (steps 2..T-1 timed)",
                   ["arm", "step wall s", "learner step s", "tokens/step", "engine busy", "CPU/step learner",
                    "CPU/step samplers", "CPU/step total"], rows)
+    phases = [p for p in PHASES if any(f["phases"]["cpu"].get(p) for f in out.values())]
+    _common.table("Learner CPU s per step by phase (steps 2..T-1)", ["arm", *phases, "sum"],
+                  [[name, *(f["phases"]["cpu"].get(p, 0.0) for p in phases), sum(f["phases"]["cpu"].values())]
+                   for name, f in out.items()])
+    for name, f in out.items():
+        print(f"{name}: publishes by reason {f['publishes']}")
     out["c3po_over_grpo"] = out["c3po"]["step_wall_s"] / out["grpo"]["step_wall_s"]
-    print(f"C3PO / GRPO step wall {out['c3po_over_grpo']:.2f} (target <= 1.10)")
+    out["c3po_over_grpo_ivon"] = out["c3po"]["step_wall_s"] / out["grpo_ivon"]["step_wall_s"]
+    out["learner_cpu_c3po_over_grpo"] = (out["c3po"]["cpu"]["per_step_s"]["learner"]
+                                         / out["grpo"]["cpu"]["per_step_s"]["learner"])
+    print(f"C3PO / GRPO step wall {out['c3po_over_grpo']:.2f} (target <= 1.15), C3PO / GRPO-on-IVON "
+          f"{out['c3po_over_grpo_ivon']:.2f} (<= 1.05); learner CPU per step C3PO / GRPO "
+          f"{out['learner_cpu_c3po_over_grpo']:.2f} (<= 1.2)")
     return out
 
 

@@ -62,7 +62,9 @@ class LearnerActor:
             record_learner_metrics(self._metrics, result, groups, self.learner.algo.exploration)
         if self.log:
             self.log.put(groups, batches, scores, result.step)
-        return result, self.learner.published(result.publish_reason) if result.publish else None
+        version = self.learner.published(result.publish_reason) if result.publish else None
+        result.metrics.update(self.learner.clock.take())  # the publish's phase, counted to this step
+        return result, version
 
     def published(self, reason: str = ""):
         return self.learner.published(reason)

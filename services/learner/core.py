@@ -54,6 +54,7 @@ from threepo.services.modeling import load_model, trainable_named_parameters
 from threepo.services.learner.beside import BesideProcess, Pending
 from threepo.services.learner.objective import group_metrics, make_estimator, make_policy_loss, step_advantages
 from threepo.services.learner.noise_control import make_noise_control
+from threepo.services.learner.phases import PhaseClock
 from threepo.services.learner.memory import (bytes_per_position, denominators, head_chunk, micro_batches,
                                              over_micro_batches)
 from threepo.services.prefix_forward import plain_head, prompt_runs, row_logprobs, row_token_stats
@@ -119,14 +120,18 @@ class Learner:
         self.around = make_around(self.model, self.optimizer, (vp2o or VP2OConfig()) if algo.vp2o else None)
         self.step_count, self.steps_since_sync = 0, 0
         self.shared_prefix = shared_prefix and not self.around.whole_update
+        self.clock = PhaseClock()  # where each step's time goes (services/learner/phases.py)
 
     # ---- one training step ------------------------------------------------------------------
     def step(self, groups: Sequence[GroupRows], batches: Sequence[CompletionBatch],
              scores: Sequence[ScoreBatch]) -> StepResult:
         """One step on `groups`, whose rows live in the step's `batches` (scored by `scores`)."""
         # no cast cache: IVON writes each posterior sample into the same parameters, in place
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16, cache_enabled=False):
-            return self._step(groups, batches, scores)
+        with (torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16, cache_enabled=False),
+              self.clock.phase("other")):
+            result = self._step(groups, batches, scores)
+        result.metrics.update(self.clock.take())
+        return result
 
     def _step(self, groups: Sequence[GroupRows], batches: Sequence[CompletionBatch],
               scores: Sequence[ScoreBatch]) -> StepResult:
@@ -144,14 +149,17 @@ class Learner:
         for u, points in enumerate(updates):
             for seed, rows in points:
                 mine = self.ranks.mine(rows, size)  # all rows alone; this rank's groups of them among R
-                with self.optimizer.at(seed):
+                with self.clock.around("sample", self.optimizer.at(seed)):
                     metrics, logp = self._backward(batch, mine, advantages[mine], start.get(seed, mine))
                 if u == 0:
                     start.put(seed, mine, logp)  # update 0 runs at the start weights: its own π_prox
                 diag.append((float(batch.mask[mine].sum()), metrics))
-            pending.join(start)  # before the first optimizer step moves (m, σ)
-            around_metrics = self.around.step()
-        pending.join(start)
+            with self.clock.phase("drift"):
+                pending.join(start)  # before the first optimizer step moves (m, σ)
+            with self.clock.phase("step"):
+                around_metrics = self.around.step()
+        with self.clock.phase("drift"):
+            pending.join(start)
         self.ranks.share_logprobs(start, [((s, 1.0), r) for s, r in updates[0]] if updates and not prox_first else [])
         self.step_count += 1
         self.steps_since_sync += 1
@@ -165,8 +173,9 @@ class Learner:
             self.steps_since_sync = 0
             # the probe: this step's rollouts (in runs sharing a prompt where the update's forward shares them)
             runs = batch.rewards.shape[1] if self.shared_prefix else 0
-            self.noise.observe(batch.input_ids, batch.attn, batch.mask, runs)
-            self.slots = self.noise.plan(self.model, self.optimizer, self.step_count)
+            with self.clock.phase("noise"):
+                self.noise.observe(batch.input_ids, batch.attn, batch.mask, runs)
+                self.slots = self.noise.plan(self.model, self.optimizer, self.step_count)
         metrics.update(self.noise.latest)
         metrics["step_time_s"] = time.perf_counter() - started
         metrics.update(self.optimizer.metrics())
@@ -211,6 +220,7 @@ class Learner:
                 need.get((seed, 1.0), set()).difference_update(rows.tolist())
         beside = self.beside is not None and self.beside.is_ready()
         aside = {p: torch.tensor(sorted(r)) for p, r in for_drift.items() if r and p not in for_updates} if beside else {}
+        for_updates_only = {point for point, rows in for_updates.items() if rows}
         for point in set(for_drift) - set(aside):
             for_updates.setdefault(point, set()).update(for_drift[point])
         start, size = StartLogprobs(batch.mask.shape, batch.mask.device), batch.rewards.shape[1]
@@ -219,7 +229,10 @@ class Learner:
                                      lambda rows: self._run(batch, rows)) if aside else Pending())
         for (seed, scale), rows in need.items():
             idx = self.ranks.mine(rows, size)  # every rank takes part in each point's collectives
-            with torch.no_grad(), self.optimizer.at(seed, train=False, scale=scale, served=(seed, scale) in for_drift):
+            drift_only = (seed, scale) in for_drift and (seed, scale) not in for_updates_only
+            with (self.clock.phase("drift" if drift_only else "forward"), torch.no_grad(),
+                  self.clock.around("drift" if drift_only else "sample",
+                                    self.optimizer.at(seed, train=False, scale=scale, served=(seed, scale) in for_drift))):
                 logp = self._logprobs(batch, idx)
             start.put(seed, idx, logp, scale)
         self.ranks.share_logprobs(start, list(need.items()))
@@ -292,24 +305,26 @@ class Learner:
         (None: these rows are the whole update, the ranks' collective gives them)."""
         a = self.algo
         mask = batch.mask[rows]
-        with self.around.capture(batch.attn[rows]):
-            logp, entropy = row_token_stats(self.model, batch.input_ids[rows], batch.attn[rows], mask,
-                                            batch.targets[rows], self._run(batch, rows), self.temperature,
-                                            entropy=bool(a.entropy_coef), chunk_tokens=self.chunk)
-        prox = logp.detach() if logp_prox is None else logp_prox
-        loss_tok, mask_eff, metrics = self.loss(logp, prox, batch.logp_behav[rows], advantages, mask)
-        agg = dict(max_len=self.max_new_tokens, **(self.ranks.denominators(mask_eff) if agg is None else agg))
-        loss = losses.aggregate_loss(loss_tok, mask_eff, a.loss_agg, **agg)
-        if a.entropy_coef:
-            loss = loss - a.entropy_coef * losses.aggregate_loss(entropy, mask_eff, a.loss_agg, **agg)
-        if a.kl_coef:
-            with torch.no_grad(), self.reference() as ref:
-                ref_logp = self._row_logprobs(ref, batch, rows)
-            kl = losses.kl_penalty(logp, ref_logp, a.kl_estimator)
-            loss = loss + a.kl_coef * losses.aggregate_loss(kl, mask_eff, a.loss_agg, **agg)
-        spec_loss, extra = self.around.extra_loss()
-        loss = loss + spec_loss
-        self.optimizer.backward(loss)
+        with self.clock.phase("forward"):
+            with self.around.capture(batch.attn[rows]):
+                logp, entropy = row_token_stats(self.model, batch.input_ids[rows], batch.attn[rows], mask,
+                                                batch.targets[rows], self._run(batch, rows), self.temperature,
+                                                entropy=bool(a.entropy_coef), chunk_tokens=self.chunk)
+            prox = logp.detach() if logp_prox is None else logp_prox
+            loss_tok, mask_eff, metrics = self.loss(logp, prox, batch.logp_behav[rows], advantages, mask)
+            agg = dict(max_len=self.max_new_tokens, **(self.ranks.denominators(mask_eff) if agg is None else agg))
+            loss = losses.aggregate_loss(loss_tok, mask_eff, a.loss_agg, **agg)
+            if a.entropy_coef:
+                loss = loss - a.entropy_coef * losses.aggregate_loss(entropy, mask_eff, a.loss_agg, **agg)
+            if a.kl_coef:
+                with torch.no_grad(), self.reference() as ref:
+                    ref_logp = self._row_logprobs(ref, batch, rows)
+                kl = losses.kl_penalty(logp, ref_logp, a.kl_estimator)
+                loss = loss + a.kl_coef * losses.aggregate_loss(kl, mask_eff, a.loss_agg, **agg)
+            spec_loss, extra = self.around.extra_loss()
+            loss = loss + spec_loss
+        with self.clock.phase("backward"):
+            self.optimizer.backward(loss)
         return {"loss": float(loss.detach()), **extra, **{k: float(v) for k, v in metrics.items()}}, logp.detach()
 
     # ---- publishing and checkpoints -----------------------------------------------------------
@@ -318,14 +333,17 @@ class Learner:
         next version) with the mean's exact checksum, which every engine checks on receipt; `reason`
         records why it is published (start, kl, ess, staleness); with the slots the noise control chose
         for the version the budget last published (the first version's, before any step, are chosen here) and the noise
-        rank. Among R ranks rank 0 returns it, gathered from the owners; the other ranks return None."""
+        rank. Among R ranks rank 0 returns it, gathered from the owners; the other ranks return None.
+        Its time counts as the `publish` phase of the next `clock.take()`."""
         if self.slots is None and not self.step_count:  # the first version: its slots are chosen now
-            self.slots = self.noise.plan(self.model, self.optimizer, self.step_count)
-        parts = self.optimizer.published()
-        if parts is None:
-            return None
-        mean, sigma = parts
-        checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
+            with self.clock.phase("noise"):
+                self.slots = self.noise.plan(self.model, self.optimizer, self.step_count)
+        with self.clock.phase("publish"):
+            parts = self.optimizer.published()
+            if parts is None:
+                return None
+            mean, sigma = parts
+            checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
         return PublishedVersion(learner_step=self.step_count, reason=reason, mean=mean, sigma=sigma,
                                 mean_checksum=checksum, slots=None if self.slots is None else tuple(self.slots),
                                 noise_rank=self.optimizer.noise_rank, lora=self.optimizer.adapter)

@@ -599,3 +599,16 @@ def test_the_probe_takes_runs_of_rows_sharing_a_prompt_and_measures_what_a_plain
     plain = [control._kl(learner.model, learner.optimizer, seed, control.logits(learner.model)) for seed in (11, 12)]
     assert shared == pytest.approx(plain, rel=1e-4) and shared[0] != shared[1]
     assert shared_calls == [5] * 12  # per seed the mean and the slot, 3 chunks each, every prompt once
+
+
+def test_a_step_reports_its_time_by_phase_and_the_phases_add_up(sampler, tiny_dense_path):
+    learner = _learner(tiny_dense_path, sync=SyncConfig(max_staleness=4))
+    groups = _groups(sampler, learner, "c3po", 4, 8)
+    learner.clock.take()  # the first version's calibration and publish, before any step
+    m = _step(learner, groups).metrics
+    for phase in ("forward", "backward", "sample", "step", "drift", "other"):  # a C3PO step that measures drift
+        assert m[f"time/{phase}_s"] > 0 and m[f"cpu/{phase}_s"] >= 0, phase
+    within = sum(v for k, v in m.items() if k.startswith("time/"))
+    assert within == pytest.approx(m["step_time_s"], rel=0.05)
+    learner.published()
+    assert set(learner.clock.take()) == {"time/publish_s", "cpu/publish_s"}
