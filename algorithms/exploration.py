@@ -132,6 +132,15 @@ def noise_seed(base_seed: int, step: int, slot: int, draw: int) -> int:
     return tensor_seed(base_seed, f"publish{step}/slot{slot}/draw{draw}")
 
 
+def redraw_seed(seed: int, draw: int) -> int:
+    """Seed of redraw `draw` ≥ 1 of a slot whose seed is `seed`, when the KL gate finds the slot far
+    over its target where it is served (services/sampler.py): blake2b(seed, "redraw<draw>"). A pure
+    function of the slot's own seed, so a sampler redraws without knowing how the seed was chosen."""
+    if draw < 1:
+        raise ValueError(f"draw must be >= 1 (draw 0 is the slot's own seed), got {draw}")
+    return tensor_seed(seed, f"redraw{draw}")
+
+
 def update_seed(base_seed: int, step: int, update: int, sample: int = 0) -> int:
     """Seed of the gradient sample θ̂′ of learner step `step`, update `update` (epoch × mini-batch
     within the step) and Monte-Carlo sample `sample`: blake2b(base_seed, "learner<step>/u<update>/k<sample>").

@@ -82,18 +82,25 @@ class NoiseConfig:
     end (-1 = the last layer)."""
     target_kl: float = 0.01
     """The per-token KL(π_θ̂ ‖ π_m) in nats that served slots are held at (algorithms/noise_scale.py):
-    each version serves θ̂ = m + c · σ ⊙ z with IVON's σ as the noise's shape and the scale c set by
-    the KL measured on a probe of recent rollouts. 0 = no control (c = 1: σ as IVON learned it)."""
+    each version serves θ̂ = m + c · σ ⊙ z with IVON's σ as the noise's shape and the scale c set from
+    the KL the served slots measured on their own rollouts (by the samplers on the hf engine; by the
+    learner on a probe of the latest rollouts for vllm and sglang: services/learner/noise_control.py).
+    0 = no control (c = 1: σ as IVON learned it)."""
     gate: float = 4.0
-    """A slot whose probe KL exceeds gate × target_kl is redrawn (a new seed, up to 3 times; the
-    closest draw is kept if none passes). 0 = no gate; without a target (target_kl = 0) there is none."""
+    """A slot whose measured KL exceeds gate × target_kl is redrawn (a new seed, up to 3 times; the
+    closest draw is kept if none passes): by the sampler serving it, on its first rollouts, before they
+    are used (hf), or by the learner before publishing (vllm, sglang). 0 = no gate; without a target
+    (target_kl = 0) there is none."""
     rank: int = 0
     """Rank r of each served slot's noise per matrix: z = Σ_k u_k v_kᵀ / sqrt(r), the same variance per
     element as full noise from (rows + cols) · r draws (algorithms/param_noise.py `low_rank_noise`);
     1-D tensors keep full noise. 0 = full noise. IVON's own training samples are always full."""
-    probe_rows: int = 16
-    """Rollouts of the latest step (evenly spread over its groups; at the start, training prompts)
-    on whose first 64 predicted tokens each slot's KL is measured."""
+    probe_rows: int = 4
+    """Rollouts each slot's KL is measured on, over their first 64 tokens: on the hf engine, the first
+    rollouts of each slot a sampler serves in a version, its own, probe_rows × 64 tokens' worth (more
+    rollouts where they are shorter; each costs an fp32 forward at the slot and at the mean beside
+    the call: ~1.2 s per 64-token rollout of SmolLM2-135M on one CPU core); for vllm and sglang,
+    rollouts of the latest step, evenly spread over its groups, measured by the learner."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))

@@ -38,7 +38,7 @@ class SamplerActor:
     """One engine behind the Sampler service; `incarnation` changes when Ray restarts the actor."""
 
     def __init__(self, model_path: str, cfg: SamplerConfig, engine_id: int, dtype: str, prompt: PromptConfig,
-                 adapters: tuple[int, int] | None = None) -> None:
+                 adapters: tuple[int, int] | None = None, noise=None) -> None:
         from threepo.deploy.metrics import RayMetrics
         from threepo.services.prompting import PromptEncoder
         from threepo.services.sampler import Sampler
@@ -46,7 +46,7 @@ class SamplerActor:
         self.incarnation = uuid.uuid4().hex[:8]
         self.sampler = Sampler(make_engine(model_path, cfg, engine_id, dtype, adapters), engine_id, cfg,
                                PromptEncoder.from_path(model_path, prompt), metrics=RayMetrics(),
-                               incarnation=self.incarnation)
+                               incarnation=self.incarnation, noise=noise)
 
     @ray.method(num_returns=2)
     def generate(self, requests: list, weights: list) -> tuple:
@@ -58,7 +58,7 @@ class SamplerActor:
         version = requests[0].policy_version
         if self.sampler.version != version:
             pv = ray.get(weights[0])
-            self.sampler.update(version, pv.mean, pv.sigma, pv.mean_checksum, pv.noise_rank, pv.lora)
+            self.sampler.update(version, pv.mean, pv.sigma, pv.mean_checksum, pv.noise_rank, pv.lora, pv.slots)
         batch = self.sampler.generate(requests)
         # what the call (and a version it loaded) freed goes back to the OS: the sampler rests lower between calls
         return_free_memory()
@@ -282,7 +282,16 @@ def start_sampler(cfg: RunConfig, policy_path: str, run_dir: str, index: int):
         options["resources"] = {rt.sampler_resource: 1}
     adapters = (cfg.lora.rank, cfg.algo.n_slots) if cfg.lora.rank else None  # versions are adapters
     return ray.remote(SamplerActor).options(**options).remote(policy_path, cfg.sampler, index, cfg.model.dtype,
-                                                              cfg.prompt, adapters)
+                                                              cfg.prompt, adapters,
+                                                              cfg.noise if samplers_measure_noise(cfg) else None)
+
+
+def samplers_measure_noise(cfg: RunConfig) -> bool:
+    """Does the noise control measure each slot's KL on the samplers (services/sampler.py)? Where slots
+    serve noise under the control (an IVON posterior, a 3PO exploration, noise.target_kl > 0) on the hf
+    engine; vLLM and SGLang hand out no full next-token distributions, so for them the learner measures."""
+    return (cfg.sampler.backend == "hf" and cfg.noise.target_kl > 0 and cfg.optim.name == "ivon"
+            and cfg.algo.exploration != "grpo")
 
 
 def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str | None,
@@ -306,6 +315,7 @@ def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str,
                   activation_mb=cfg.learner.activation_mb, gradient_checkpointing=cfg.learner.gradient_checkpointing,
                   bf16=cfg.learner.bf16, noise=cfg.noise, noise_prompts=noise_prompts(cfg, policy_path), lora=cfg.lora,
                   adapter_versions=True,  # every engine serves LoRA versions as adapters over its base
+                  samplers_measure_noise=samplers_measure_noise(cfg),
                   beside=(cores or CorePlacement(cfg)).drift_process, checkpoint=checkpoint, rollout_log=log)
     if cfg.learner.grouped:  # R ranks behind the same methods (deploy/learner_group.py)
         from threepo.deploy.learner_group import start_learner_group
@@ -319,13 +329,15 @@ def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str,
 
 
 def noise_prompts(cfg: RunConfig, policy_path: str) -> list[list[int]]:
-    """The first `noise.probe_rows` training prompts as the samplers encode them: the learner's noise
+    """The first `CALIBRATION_PROMPTS` training prompts as the samplers encode them: the learner's noise
     control sets the first version's σ scale on them (services/learner/noise_control.py)."""
     from threepo.services.datasets import train_items
+    from threepo.services.learner.noise_control import CALIBRATION_PROMPTS
     from threepo.services.prompting import PromptEncoder
 
     encoder = PromptEncoder.from_path(policy_path, cfg.prompt)
-    return [list(encoder.encode(item.prompt, item.verifier)) for item in train_items(cfg.data, cfg.task)[:cfg.noise.probe_rows]]
+    items = train_items(cfg.data, cfg.task)[:CALIBRATION_PROMPTS]
+    return [list(encoder.encode(item.prompt, item.verifier)) for item in items]
 
 
 def kill_role(actor) -> None:

@@ -30,10 +30,14 @@ MALFORMED = _CODE[VerifyStatus.MALFORMED]
 
 def completion_batch(*, engine_id: int, incarnation: str, policy_version: int, mean_checksum: str,
                      requests: Sequence[RolloutRequest], prompts: Sequence[Sequence[int]], samples: Sequence[Sequence],
-                     verified: Sequence[bool], first_seq_no: int, generate_s: float) -> CompletionBatch:
-    """Flatten `samples[r]` (the engine's GeneratedSamples of request r, prompt `prompts[r]`)."""
+                     verified: Sequence[bool], first_seq_no: int, generate_s: float,
+                     measured: Sequence[Sequence] | None = None, draws: Sequence[int] | None = None) -> CompletionBatch:
+    """Flatten `samples[r]` (the engine's GeneratedSamples of request r, prompt `prompts[r]`); `measured[r]`:
+    per row of request r its slot-KL measurement (Σ KL, positions) or None; `draws[r]`: the gate's redraw
+    its slot was served at."""
     rows = [s for per_request in samples for s in per_request]
     lengths = np.array([len(s.token_ids) for s in rows], dtype=np.int64)
+    kl = None if measured is None else [x or (0.0, 0) for per_request in measured for x in per_request]
     return CompletionBatch(
         engine_id=engine_id, incarnation=incarnation, policy_version=policy_version, mean_checksum=mean_checksum,
         requests=tuple(requests), verified=np.array(verified, dtype=bool), first_seq_no=first_seq_no,
@@ -44,7 +48,10 @@ def completion_batch(*, engine_id: int, incarnation: str, policy_version: int, m
         logprobs=np.fromiter((lp for s in rows for lp in s.logprobs), dtype=np.float32, count=int(lengths.sum())),
         token_offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
         finish_stop=np.array([s.finish_reason == "stop" for s in rows], dtype=bool),
-        texts=tuple(s.text for s in rows), generate_s=generate_s)
+        texts=tuple(s.text for s in rows), generate_s=generate_s,
+        slot_kl=None if kl is None else np.array([k for k, _ in kl], dtype=np.float32),
+        slot_kl_positions=None if kl is None else np.array([n for _, n in kl], dtype=np.int32),
+        slot_draw=None if draws is None else np.array(draws, dtype=np.int8))
 
 
 def report_of(batch: CompletionBatch) -> GenerateReport:
@@ -90,6 +97,9 @@ class TrainBatch:
     texts: list                # [B] decoded completions (LamPO's ROUGE-L)
     solutions: list            # [B/G] reference solutions of the groups' items
     published_steps: np.ndarray  # [B/G] learner step that published each group's policy version
+    slot_kl: np.ndarray        # [B] the sampler's Σ_t KL(π_θ̂ ‖ π_m) of the row (CompletionBatch.slot_kl)
+    slot_kl_positions: np.ndarray  # [B] positions it was measured on (0: not measured)
+    slot_draws: np.ndarray     # [B] the KL gate's redraw that served the row (0: the slot's own seed)
 
     def to(self, device: torch.device) -> TrainBatch:
         """The [B, L] tensors on `device` (rewards and slots stay on the CPU with the advantages' inputs)."""
@@ -140,7 +150,16 @@ def collate(groups: Sequence[GroupRows], batches: Sequence[CompletionBatch], sco
         slot_seeds=[req.slot_seed for *_, req in pieces], slot_scales=[req.slot_scale for *_, req in pieces],
         statuses=statuses, truncated=np.array([not batches[b].finish_stop[r] for b, r in rows], dtype=bool),
         texts=[batches[b].texts[r] for b, r in rows], solutions=[grp.item.solution for grp in groups],
-        published_steps=np.array([grp.published_step for grp in groups], dtype=np.int64))
+        published_steps=np.array([grp.published_step for grp in groups], dtype=np.int64),
+        slot_kl=np.array([_row(batches[b].slot_kl, r, 0.0) for b, r in rows], dtype=np.float64),
+        slot_kl_positions=np.array([_row(batches[b].slot_kl_positions, r, 0) for b, r in rows], dtype=np.int64),
+        slot_draws=np.array([_row(batches[b].slot_draw, int(batches[b].row_request[r]), 0) for b, r in rows],
+                            dtype=np.int64))
+
+
+def _row(values: np.ndarray | None, at: int, absent):
+    """values[at], or `absent` where the batch carries no such array (no measurement made)."""
+    return absent if values is None else values[at].item()
 
 
 def completions_of(batch: CompletionBatch) -> list[Completion]:

@@ -23,9 +23,9 @@ from threepo.services.errors import UserInputError
 if TYPE_CHECKING:
     import numpy as np
 
-SCHEMA_VERSION = 5  # 2: Completion carries mean_checksum, weights_verified; 3: Group carries the step;
+SCHEMA_VERSION = 6  # 2: Completion carries mean_checksum, weights_verified; 3: Group carries the step;
 # 4: RolloutRequest and Completion carry the slot's σ multiplier (slot_scale); 5: TaskItem carries
-# code_prefix and entry_point
+# code_prefix and entry_point; 6: CompletionBatch carries the sampler's slot-KL measurements
 
 
 class VerifyStatus(str, enum.Enum):
@@ -229,6 +229,11 @@ class CompletionBatch:
     finish_stop: np.ndarray   # [B] bool: EOS sampled (else cut at the length limit)
     texts: tuple[str, ...]    # [B] decoded completions
     generate_s: float         # engine time of the call
+    # the noise control's measurement where the sampler made one (services/sampler.py): for row b,
+    # Σ_t KL(π_θ̂ ‖ π_m) over its first slot_kl_positions[b] completion tokens (0 positions: not measured)
+    slot_kl: np.ndarray | None = None            # [B] float32
+    slot_kl_positions: np.ndarray | None = None  # [B] int32
+    slot_draw: np.ndarray | None = None          # [R] int8: the KL gate's redraw served (0: the slot's own seed)
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ def _stepper(model: PreTrainedModel, input_ids: torch.Tensor, attn: torch.Tensor
     each sampled token. With `lean` the lean decoder's, else transformers' forward with its KV cache."""
     width = input_ids.shape[1]
     if lean is not None:
-        cache = lean.new_cache(len(input_ids), width + max_new_tokens, lean.embed.dtype)
+        cache = lean.new_cache(len(input_ids), width + max_new_tokens, lean.dtype)
         keys = torch.zeros((len(input_ids), width + max_new_tokens), dtype=torch.bool, device=input_ids.device)
         keys[:, :width] = attn.bool()
         at = {"len": 0, "pos": positions[:, -1:]}
@@ -121,6 +121,56 @@ def _shared_prefill(lean: LeanDecoder, input_ids: torch.Tensor, positions: torch
     for (k, v), (k_small, v_small) in zip(cache, small):
         k[:, :, :width], v[:, :, :width] = k_small[inverse], v_small[inverse]
     return logits[inverse]
+
+
+@torch.inference_mode()
+def completion_logits(lean: LeanDecoder | None, model: PreTrainedModel, prompt_ids: Sequence[Sequence[int]],
+                      completions: Sequence[Sequence[int]], positions: int) -> torch.Tensor:
+    """Logits [N, V] where each row's first `positions` completion tokens are predicted (position t of
+    a row from its prompt and completion tokens < t), rows in order, N = Σ_r min(len_r, positions): the
+    rows teacher-forced through `lean` (each distinct prompt prefilled once, then every completion
+    position in one pass; in the decoder's compute dtype) or, without one, `model`'s forward."""
+    lengths = [min(len(c), positions) for c in completions]
+    if lean is None:
+        return _model_completion_logits(model, prompt_ids, completions, lengths)
+    width, rows, longest = max(len(p) for p in prompt_ids), len(prompt_ids), max(lengths)
+    input_ids = torch.zeros((rows, width), dtype=torch.long)
+    keys = torch.zeros((rows, width + longest), dtype=torch.bool)
+    for r, ids in enumerate(prompt_ids):  # left padding: every row's last prompt token at width - 1
+        input_ids[r, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        keys[r, width - len(ids):width] = True
+    input_ids, keys = input_ids.to(lean.device), keys.to(lean.device)
+    positions_ = (keys[:, :width].long().cumsum(-1) - 1).clamp(min=0)
+    cache = lean.new_cache(rows, width + longest, lean.dtype)
+    first = _shared_prefill(lean, input_ids, positions_, cache, keys).float()  # predicts completion token 0
+    if longest < 2:
+        return first[[r for r, n in enumerate(lengths) if n]]
+    fed = torch.zeros((rows, longest - 1), dtype=torch.long)
+    for r, c in enumerate(completions):
+        fed[r, :lengths[r] - 1] = torch.tensor(list(c[:lengths[r] - 1]), dtype=torch.long)
+    keys[:, width:] = True  # a position past a row's end sees only its own row's padding, and is not read
+    steps = torch.arange(longest - 1, device=lean.device)
+    at = steps[None] < torch.tensor(lengths, device=lean.device)[:, None] - 1
+    rest = lean.forward(fed.to(lean.device), positions_[:, -1:] + 1 + steps, cache, width, keys[:, :-1], at=at).float()
+    out, used = [], 0
+    for r, n in enumerate(lengths):
+        if n:
+            out += [first[r:r + 1], rest[used:used + n - 1]]
+            used += n - 1
+    return torch.cat(out)
+
+
+def _model_completion_logits(model: PreTrainedModel, prompt_ids: Sequence[Sequence[int]],
+                             completions: Sequence[Sequence[int]], lengths: list[int]) -> torch.Tensor:
+    """`completion_logits` through transformers' forward of each whole row (right-padded), fp32 out."""
+    device = next(model.parameters()).device
+    seqs = [list(p) + list(c[:n]) for p, c, n in zip(prompt_ids, completions, lengths)]
+    ids = torch.zeros((len(seqs), max(map(len, seqs))), dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for r, seq in enumerate(seqs):
+        ids[r, :len(seq)], attn[r, :len(seq)] = torch.tensor(seq, dtype=torch.long), 1
+    logits = model(input_ids=ids.to(device), attention_mask=attn.to(device)).logits
+    return torch.cat([logits[r, len(p) - 1:len(p) - 1 + n].float() for r, (p, n) in enumerate(zip(prompt_ids, lengths))])
 
 
 def _distinct_rows(rows: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -25,10 +25,11 @@ import numpy as np
 import torch
 
 from threepo.algorithms import weight_checks
+from threepo.algorithms.noise_scale import policy_kl
 from threepo.services.engines import lean_decoder
 from threepo.services.engines.base import (EngineRequest, GeneratedSample, SamplerConfig, ServeReport,
                                            WeightsMismatch)
-from threepo.services.engines.decoding import generate, generate_slots
+from threepo.services.engines.decoding import completion_logits, generate, generate_slots
 from threepo.services.engines.lean_decoder import LeanDecoder, WeightLayout
 from threepo.services.engines.slot_bank import Adapters, SlotBank, write_slot
 from threepo.services.messages import NoiseSpec, SamplingParams
@@ -302,6 +303,43 @@ class HFEngine:
             lean = (LeanDecoder(self.model, self.layout, self._mean_set) if self._serving.seed is None
                     else self._slot_decoder(self._rows([self._serving])))
         return generate(self.model, self.tokenizer, requests, params, batch_size=self.cfg.batch_size, lean=lean)
+
+    def slot_kl(self, noise: NoiseSpec, rows: Sequence[tuple[Sequence[int], Sequence[int]]], positions: int,
+                temperature: float) -> list[tuple[float, int]]:
+        """Per (prompt ids, completion ids) row: Σ_t KL(π_θ̂ ‖ π_m) over its first `positions` completion
+        tokens, and how many, θ̂ the slot `noise` as served and m the held version's mean, both at
+        `temperature` (algorithms/noise_scale.policy_kl). The rows are teacher-forced through both; on
+        the lean path in fp32 over the served weights (bf16 rounding of the logits alone measured a
+        KL of ~0.001 between two forwards of one policy), otherwise in the served dtype. What is
+        served is left as it was."""
+        self._check_slot(noise)
+        mean = NoiseSpec(noise.posterior_version, None)
+        prompts, completions = [p for p, _ in rows], [c for _, c in rows]
+        if self.lean:
+            slot_p, mean_p = (completion_logits(self._measuring_decoder(spec), self.model, prompts, completions,
+                                                positions) for spec in (noise, mean))
+        else:  # the slot, then the mean, written into the parameters in turn; what was served, again
+            slot_p = self._model_logits(noise, prompts, completions, positions)
+            mean_p = self._model_logits(mean, prompts, completions, positions)
+            self.serve(self._serving)
+        kl = policy_kl(slot_p, mean_p, temperature)
+        counts = [min(len(c), positions) for c in completions]
+        return [(float(part.sum()), n) for part, n in zip(kl.split(counts), counts)]
+
+    def _measuring_decoder(self, noise: NoiseSpec) -> LeanDecoder:
+        """A lean decoder of slot `noise` (seed None: the mean) computing in fp32."""
+        if self._adapter_slots:
+            terms = self._adapters.slot_terms([(noise.seed, noise.scale)], self.dtype, self.noise_rank)[0]
+            return LeanDecoder(self.model, self.layout, self._base_set, terms, self._adapters.scaling,
+                               compute=torch.float32)
+        if noise.seed is None:
+            return LeanDecoder(self.model, self.layout, self._mean_set, compute=torch.float32)
+        return LeanDecoder(self.model, self.layout, self._mean_set, compute=torch.float32,
+                           slots=(self.bank.layout, self.bank.sets(self._rows([noise]))))
+
+    def _model_logits(self, noise: NoiseSpec, prompts, completions, positions: int) -> torch.Tensor:
+        self._write_model(noise)
+        return completion_logits(None, self.model, prompts, completions, positions)
 
     def served(self) -> dict[str, torch.Tensor]:
         """The weights decoded with now, by parameter name (views: read, do not write; under a LoRA

@@ -172,11 +172,15 @@ class LeanDecoder:
     rest are read from `sets`, then one shared set [1, numel]."""
 
     def __init__(self, model, layout: WeightLayout, sets: torch.Tensor, adapters: dict | None = None,
-                 scaling: float = 1.0, slots: tuple[WeightLayout, torch.Tensor] | None = None) -> None:
+                 scaling: float = 1.0, slots: tuple[WeightLayout, torch.Tensor] | None = None,
+                 compute: torch.dtype | None = None) -> None:
+        """`compute`: the dtype activations are computed in (default the weights'); weights of another
+        dtype are cast at each use (fp32 logits of bf16-served weights without an fp32 copy of them)."""
         cfg = model.config
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.eps, self.device, self.scaling = cfg.rms_norm_eps, sets.device, scaling
+        self.dtype = compute or sets.dtype
         self.n_slots = _slot_count(layout, sets, adapters, slots)
         self.window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
         # a decode step's attention (one query per row): two fp32 matmuls on the CPU, torch's SDPA elsewhere
@@ -220,7 +224,7 @@ class LeanDecoder:
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return weight.to(x.dtype) * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq
@@ -239,6 +243,9 @@ class LeanDecoder:
         (on the CPU in bf16 one `mm` per set); over one shared set (w [1, out, in]) one matmul for all S·R rows, plus each slot's adapter term
         s · (x Âᵀ) B̂ᵀ on the output columns [start, end) it adapts (`lora`)."""
         s_n, rows, _ = x.shape
+        if w.dtype != x.dtype:  # `compute` differs from the weights' dtype: cast at use
+            w, bias = w.to(x.dtype), None if bias is None else bias.to(x.dtype)
+            lora = [(start, end, a.to(x.dtype), b.to(x.dtype)) for start, end, a, b in lora]
         if w.shape[0] == 1:
             y = torch.nn.functional.linear(x.reshape(s_n * rows, -1), w[0], None if bias is None else bias[0, 0])
             y = y.view(s_n, rows, -1)
@@ -275,10 +282,11 @@ class LeanDecoder:
         return allowed
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: list, start: int,
-                key_mask: torch.Tensor) -> torch.Tensor:
+                key_mask: torch.Tensor, at: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, V] of the last of `tokens` [B, T] at `positions` [B, T], B = S·b (rows of set
         s at [s·b, (s+1)·b)), writing their keys and values at cache columns start..start+T-1;
-        `key_mask` [B, start+T] (True = attend) marks the real keys (left padding is False)."""
+        `key_mask` [B, start+T] (True = attend) marks the real keys (left padding is False). With
+        `at` [B, T] bool: the logits [N, V] of every marked position instead, in row-major order."""
         rows, t = tokens.shape
         s_n = self.n_slots
         if rows % s_n:
@@ -289,6 +297,7 @@ class LeanDecoder:
         else:
             set_of_row = torch.arange(s_n, device=tokens.device).repeat_interleave(b)
             x = self.embed[set_of_row[:, None], tokens].reshape(s_n, b * t, -1)
+        x = x.to(self.dtype)
         cos, sin = self._rope(positions, x.dtype)
         end = start + t
         allowed = self._allowed(key_mask, start, t)
@@ -308,8 +317,19 @@ class LeanDecoder:
             gate, up = self._linear(self._norm(x, w["post_norm"]), w["gate_up_w"], w["gate_up_b"],
                                     w["gate_up_lora"]).chunk(2, dim=-1)
             x = x + self._linear(torch.nn.functional.silu(gate) * up, w["down_w"], w["down_b"], w["down_lora"])
+        if at is not None:
+            return self._head_at(x.reshape(s_n, b, t, -1), at.reshape(s_n, b, t))
         last = self._norm(x.reshape(s_n, b, t, -1)[:, :, -1], self.final_norm)
         return self._linear(last, self.lm_head).reshape(rows, -1)
+
+    def _head_at(self, x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """Logits [N, V] of the hidden states x [S, b, T, H] where `at` [S, b, T], set by set."""
+        out = []
+        for s in range(self.n_slots):
+            own = lambda w: w[s:s + 1] if w.shape[0] > 1 else w  # noqa: E731  [1, ...]: this set's or the shared
+            picked = self._norm(x[s][at[s]][None], own(self.final_norm))
+            out.append(self._linear(picked, own(self.lm_head))[0])
+        return torch.cat(out)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,10 @@ services/learner/ranks.py) it computes its share of each point's rows, on gradie
 ranks, and IVON steps only the tensors this rank owns.
 
 When the budget publishes, the noise control (services/learner/noise_control.py) chooses the new
-version's slots — seeds, and the σ scale that holds their KL to the mean at noise.target_kl — on a
-probe of the step's rollouts; `published` sends them with (m, σ).
+version's slots — seeds, and the σ scale that holds their KL to the mean at noise.target_kl — from
+what the samplers measured on the slots' own rollouts (`samplers_measure_noise`, the hf engine) or
+else on a probe of the step's rollouts; `published` sends them with (m, σ). Each step reports its
+time by phase (services/learner/phases.py).
 
 Every variant is chosen once, in `__init__`: the optimizer (`make_optimizer`), the advantage
 estimator and the policy loss (services/learner/objective.py), what runs around the optimizer step
@@ -84,7 +86,8 @@ class Learner:
                  deepspeed_stage: int = -1, shared_prefix: bool = True, beside: bool = False,
                  activation_mb: int = 0, gradient_checkpointing: bool = False, bf16: bool = False,
                  noise: NoiseConfig | None = None, noise_prompts: list[list[int]] | None = None,
-                 lora: LoRAConfig | None = None, adapter_versions: bool = False) -> None:
+                 lora: LoRAConfig | None = None, adapter_versions: bool = False,
+                 samplers_measure_noise: bool = False) -> None:
         torch.set_num_threads(threads)
         # a confident policy's softmax underflows into denormals, which made CPU steps ~1.8x slower
         torch.set_flush_denormal(True)
@@ -114,7 +117,8 @@ class Learner:
                                         adapter_versions)
         self.noise = make_noise_control(noise, serves_noise=self.optimizer.variational and algo.exploration != "grpo",
                                         n_slots=algo.n_slots, base_seed=algo.seed, temperature=temperature,
-                                        prompts=noise_prompts, device=self.device)
+                                        prompts=noise_prompts, device=self.device,
+                                        measured_by_samplers=samplers_measure_noise)
         self.slots = None  # (seed, scale) of the slots of the version published last (noise control)
         self.estimator, self.loss = make_estimator(algo), make_policy_loss(algo)
         self.around = make_around(self.model, self.optimizer, (vp2o or VP2OConfig()) if algo.vp2o else None)
@@ -168,13 +172,13 @@ class Learner:
                    "updates": float(len(updates)), "filtered_groups": float((~keep).sum())}
         drift = (metrics["kl_k3_drift"], metrics["ess_frac_drift"]) if len(measured) else _NO_DRIFT
         decision = self._sync_decision(*drift, self.steps_since_sync)
+        with self.clock.phase("noise"):  # the samplers' measurements, or the probe: this step's rollouts (in
+            # runs sharing a prompt where the update's forward shares them)
+            self.noise.observe(batch, batch.rewards.shape[1] if self.shared_prefix else 0)
         if decision.publish:
             self.around.on_sync()
             self.steps_since_sync = 0
-            # the probe: this step's rollouts (in runs sharing a prompt where the update's forward shares them)
-            runs = batch.rewards.shape[1] if self.shared_prefix else 0
             with self.clock.phase("noise"):
-                self.noise.observe(batch.input_ids, batch.attn, batch.mask, runs)
                 self.slots = self.noise.plan(self.model, self.optimizer, self.step_count)
         metrics.update(self.noise.latest)
         metrics["step_time_s"] = time.perf_counter() - started
@@ -248,14 +252,18 @@ class Learner:
                              eta=self.sync.eta, max_staleness=self.sync.max_staleness)
 
     def _drift_rows(self, batch: TrainBatch, updates: list) -> torch.Tensor:
-        """The rollouts the drift diagnostic measures this step (`sync.drift_rows`; before the step
-        counter moves: one sample per step); none on an IVON step with updates that the budget
-        publishes with no drift at all (staleness): the measurement could not change the decision
-        and would cost a forward at a slot's weights (AdamW's is update 0's own forward, free)."""
-        if updates and self.optimizer.variational and self._sync_decision(*_NO_DRIFT, self.steps_since_sync + 1).publish:
+        """The rollouts the drift diagnostic measures this step. Where it costs a forward of its own (a
+        posterior: each measured rollout's slot rebuilt), `sync.drift_rows` of one slot in pairs that
+        share a prompt (`drift_sample`; before the step counter moves: one sample per step), and none
+        on a step with updates that the budget publishes with no drift at all (staleness): the
+        measurement could not change the decision. Where it is update 0's own forward (AdamW: the
+        behaviour is the served mean), every rollout: it costs nothing."""
+        if not self.optimizer.variational and updates:
+            return torch.arange(len(batch.slot_seeds))
+        if updates and self._sync_decision(*_NO_DRIFT, self.steps_since_sync + 1).publish:
             return torch.zeros(0, dtype=torch.long)
         return drift_sample(list(zip(batch.slot_seeds, batch.slot_scales)), self.sync.drift_rows,
-                            step=self.step_count, seed=self.algo.seed)
+                            step=self.step_count, seed=self.algo.seed, group_size=batch.rewards.shape[1])
 
     def _logprobs(self, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
         if not len(rows):

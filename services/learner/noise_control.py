@@ -1,25 +1,42 @@
 """The learner's noise control: the seeds and the σ scale c of the slots each version serves, so that
 the per-token KL(π_θ̂ ‖ π_m) of a served slot stays at `noise.target_kl` (algorithms/noise_scale.py;
-issue 25).
+issues 25 and 38).
 
-When the learner publishes a version, `plan` measures each slot's KL to the mean on a probe (a few
-rollouts of the latest step, their first `_POSITIONS` predicted tokens, in runs of rows of one prompt
-whose prompt is computed once; before the first step, the training prompts it was given), exactly over
-the vocabulary at the sampler's temperature, with the slot built as the engines will serve it (σ zero
-outside the noise mask, times c). A slot whose KL exceeds `noise.gate` × target is redrawn with the next
-seed (`exploration.noise_seed`), up to `_REDRAWS` times, keeping the closest draw if none passes. The
-version serves its slots at the scale just measured; the median KL of the first draws (of the scale, not
-of the gate's choice) sets the next version's scale: half the quadratic law's step in log c (`_GAIN`:
-the probe's sampling noise moves c less). The median, not the mean: a slot's KL is heavy-tailed in z (on
-the embedded model at twice the target's scale, one draw in eight measured 25x the others' KL, a draw
-that breaks the policy), which is the gate's business, not the scale's. At the start, with no rollouts
-yet, the scale is calibrated on the prompts, on the first `_CALIBRATION_SLOTS` slots, in up to
-`_CALIBRATION` rounds (the quadratic law's step, then bisection once the target is bracketed) before the
-first version is served. The scale stays at most `_MAX_SCALE`: where the noise cannot reach the target
-(a masked model's KL saturates) it stops there rather than growing without bound.
+Where the KL is measured, chosen once where the learner is built (`measured_by_samplers`):
+- **On the samplers** (the hf engine): each sampler measures every slot it serves on the slot's own
+  first `noise.probe_rows` rollouts of the version, teacher-forced at the slot and at the mean in fp32
+  beside the call that sampled them (services/sampler.py, `HFEngine.slot_kl`), and the rollouts carry
+  the measurement to the learner. `observe` collects it from each step's batch; when the learner
+  publishes, `plan` sets the new version's scale from the newest version measured since the last
+  plan (feedback: `feedback_scale`, the median over its slots of the scale each implies by the
+  quadratic law, the whole step down, half of it up: `_FEEDBACK_GAIN`) and gives each slot a fresh
+  seed — no forward in the
+  learner. A measurement reaches the learner when its rollouts are consumed, one to three versions
+  after the version it measured: the scale follows a policy whose sensitivity to the noise changes
+  with that lag. The KL gate is the samplers' (a slot over `noise.gate` × target where it is first
+  served is redrawn there).
+- **In the learner** (engines that cannot measure: vLLM, SGLang): `plan` measures each new slot's KL
+  on a probe (`noise.probe_rows` rollouts of the latest step, their first `_POSITIONS` predicted tokens,
+  in runs of rows of one prompt whose prompt is computed once), exactly over the vocabulary at the
+  sampler's temperature, with the slot built as the engines will serve it (σ zero outside the noise
+  mask, times c). A slot over `noise.gate` × target is redrawn with the next seed
+  (`exploration.noise_seed`), up to `_REDRAWS` times, the closest draw kept if none passes. The version
+  serves its slots at the scale just measured; the median KL of the first draws sets the next version's
+  scale (`next_noise_scale`, gain `_GAIN`).
+The median, not the mean: a slot's KL is heavy-tailed in z (on the embedded model at twice the
+target's scale, one draw in eight measured 25x the others' KL, a draw that breaks the policy), which is
+the gate's business, not the scale's.
 
-The metrics (every step logs the latest version's): noise_scale (c served), noise_kl (median first-draw
-KL at it), noise_kl_served_max (the largest KL among the served slots), noise_redraws.
+Either way, before the first version is served, with no rollouts yet, the scale is calibrated in the
+learner on the prompts it was given, on the first `_CALIBRATION_SLOTS` slots, in up to `_CALIBRATION`
+rounds (the quadratic law's step, then bisection once the target is bracketed). The scale stays at most
+`_MAX_SCALE`: where the noise cannot reach the target (a masked model's KL saturates) it stops there
+rather than growing without bound.
+
+The metrics (every step logs the latest version's): noise_scale (c of the version published last),
+noise_kl (the median KL: on the samplers, of the newest version's measured slots; in the learner, of
+the version's first draws), noise_kl_served_max (the largest KL among those slots), noise_redraws
+(slots redrawn by the gate among them).
 """
 
 from __future__ import annotations
@@ -31,7 +48,7 @@ import torch
 
 from threepo.algorithms.exploration import noise_seed
 from threepo.algorithms.noise_mask import NoiseConfig
-from threepo.algorithms.noise_scale import next_noise_scale, policy_kl
+from threepo.algorithms.noise_scale import feedback_scale, next_noise_scale, policy_kl
 from threepo.services.prefix_forward import position_logits
 
 _POSITIONS = 64  # predicted tokens of each probe row
@@ -39,8 +56,14 @@ _ROWS = 4  # probe rows per forward (a chunk's logits: rows × 64 × V floats)
 _REDRAWS = 3  # most new seeds for a slot over the gate
 _CALIBRATION = 8  # most measurements to set the first version's scale
 _CALIBRATION_SLOTS = 8  # slots measured per calibration round
+CALIBRATION_PROMPTS = 16  # training prompts the calibration measures on (deploy/actors.py noise_prompts)
 _CLOSE = math.log(1.25)  # calibration stops within a factor 1.25 of the target
 _GAIN = 0.5  # share of the quadratic law's step in log c per version (a probe's KL is noisy)
+# the samplers' measurements: half the step up to the newest version's median implied scale, the whole step
+# down (feedback_scale). A slot's KL at a given scale moved 3.5x between SmolLM2's first two versions, which
+# a half step down lags behind by versions; on the embedded model a whole step up reached scales where the
+# KL jumps 20x for 1.5x more scale (0.0045 at c = 3.0, 0.096 at 4.4)
+_FEEDBACK_GAIN = 0.5
 _MAX_SCALE = 10.0  # a target the noise cannot reach (the KL saturates) leaves c here, not growing forever
 
 
@@ -48,18 +71,37 @@ class NoiseControl:
     """Seeds and σ scale of each published version's slots (module docstring)."""
 
     def __init__(self, cfg: NoiseConfig, *, n_slots: int, base_seed: int, temperature: float,
-                 prompts: list[list[int]] | None = None, device: torch.device | str = "cpu") -> None:
+                 prompts: list[list[int]] | None = None, device: torch.device | str = "cpu",
+                 measured_by_samplers: bool = False) -> None:
         self.cfg, self.n_slots, self.base_seed, self.temperature = cfg, n_slots, base_seed, temperature
         self.scale, self.calibrated, self.latest = 1.0, False, {}
         self.device = torch.device(device)
         self.probe = _prompt_probe(prompts, self.device) if prompts else None
+        self.measured_by_samplers = measured_by_samplers
+        # (published step, seed, scale) -> [Σ KL, positions, redrawn] of the slots measured since the last plan
+        self.served: dict[tuple, list] = {}
+        self.freshest = -1  # the published step of the version the scale was last set from
 
-    def observe(self, input_ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor, group: int = 0) -> None:
-        """Take about `probe_rows` rows of a step's batch, evenly spread, as the probe (their first
-        predicted tokens: `mask` [B, L-1] marks where position t predicts a completion token). With
-        `group` > 1 the batch's rows come in consecutive groups of that many sharing a prompt: the probe
-        then takes runs of rows of one group (two from each of `probe_rows` / 2 groups, more from each
-        where there are fewer groups), and each run's prompt is computed once (prefix_forward)."""
+    def observe(self, batch, group: int = 0) -> None:
+        """A step's rollouts (a TrainBatch). Measured by the samplers: their rows' measurements, summed
+        per served slot (seed, scale). Else about `probe_rows` rows of the batch, evenly spread, become
+        the probe (their first predicted tokens: `batch.mask` [B, L-1] marks where position t predicts
+        a completion token); with `group` > 1 the batch's rows come in consecutive groups of that many
+        sharing a prompt: the probe then takes runs of rows of one group (two from each of
+        `probe_rows` / 2 groups, more from each where there are fewer groups), and each run's prompt is
+        computed once (prefix_forward)."""
+        if self.measured_by_samplers:
+            size = batch.rewards.shape[1]
+            for r in batch.slot_kl_positions.nonzero()[0].tolist():
+                version = int(batch.published_steps[r // size])  # the learner step that published it
+                if version < self.freshest:
+                    continue  # older than the version the scale was last set from
+                slot = self.served.setdefault((version, batch.slot_seeds[r], batch.slot_scales[r]), [0.0, 0, False])
+                slot[0] += float(batch.slot_kl[r])
+                slot[1] += int(batch.slot_kl_positions[r])
+                slot[2] = slot[2] or bool(batch.slot_draws[r])
+            return
+        input_ids, attn, mask = batch.input_ids, batch.attn, batch.mask
         groups = len(input_ids) // group if group > 1 and self.cfg.probe_rows > 1 else 0
         if groups:
             used = min(groups, self.cfg.probe_rows // 2)
@@ -72,18 +114,41 @@ class NoiseControl:
         self.probe = (input_ids[rows].detach(), attn[rows].detach(), where, mask[rows].detach(), run)
 
     def plan(self, model, optimizer, step: int) -> list[tuple[int, float]] | None:
-        """(seed, scale) of each slot of the version published at learner step `step`, or None without a
-        probe (the posterior server then plans its own seeds at scale 1). Measured in fp32 whatever the
-        learner's mixed precision: a KL of 0.01 is below bf16's rounding of the logits."""
+        """(seed, scale) of each slot of the version published at learner step `step`; where the learner
+        measures, None without a probe (the posterior server then plans its own seeds at scale 1). The
+        learner measures in fp32 whatever its mixed precision: a KL of 0.01 is below bf16's rounding of
+        the logits. Without prompts to calibrate on, the samplers' measurements start from c = 1."""
+        if self.measured_by_samplers and self.probe is None:
+            self.calibrated = True
+            return self._from_samplers(step)
         if self.probe is None:
             return None
         with torch.no_grad(), torch.autocast(self.probe[0].device.type, enabled=False):
-            return self._plan(model, optimizer, step)
+            if not self.calibrated:
+                self._calibrate(model, optimizer, step, self.logits(model))  # between updates the model holds m
+            if self.measured_by_samplers:
+                return self._from_samplers(step)
+            return self._probed(model, optimizer, step, self.logits(model))
 
-    def _plan(self, model, optimizer, step: int) -> list[tuple[int, float]]:
-        mean = self.logits(model)  # between updates the model holds m
-        if not self.calibrated:
-            self._calibrate(model, optimizer, step, mean)
+    def _from_samplers(self, step: int) -> list[tuple[int, float]]:
+        """Each slot's own seed at the scale that the newest version measured since the last plan asks
+        for (`feedback_scale` at gain `_FEEDBACK_GAIN`); the gate was the samplers'."""
+        if self.served:
+            self.freshest = max(version for version, _, _ in self.served)
+            newest = [(scale, kl / n, redrawn) for (version, _, scale), (kl, n, redrawn) in self.served.items()
+                      if version == self.freshest and n]
+            if self.cfg.target_kl:
+                self.scale = min(feedback_scale(self.scale, [(c, k) for c, k, _ in newest], self.cfg.target_kl,
+                                                gain=_FEEDBACK_GAIN), _MAX_SCALE)
+            kls = [k for _, k, _ in newest]
+            self.latest = {"noise_kl": statistics.median(kls), "noise_kl_served_max": max(kls),
+                           "noise_redraws": float(sum(redrawn for *_, redrawn in newest))}
+        self.latest = {**self.latest, "noise_scale": self.scale}  # nothing measured since: the figures stand
+        self.served = {}
+        return [(noise_seed(self.base_seed, step, i, 0), self.scale) for i in range(self.n_slots)]
+
+    def _probed(self, model, optimizer, step: int, mean: list[torch.Tensor]) -> list[tuple[int, float]]:
+        """Each slot measured on the probe, redrawn by the gate; the next version's scale from the first draws."""
         firsts, slots, redraws, served = [], [], 0, []
         bound = self.cfg.gate * self.cfg.target_kl if self.cfg.gate and self.cfg.target_kl else math.inf
         for i in range(self.n_slots):
@@ -116,6 +181,7 @@ class NoiseControl:
         for _ in range(_CALIBRATION):
             measured = statistics.median(self._kl(model, optimizer, noise_seed(self.base_seed, step, i, 0), mean)
                                          for i in range(min(self.n_slots, _CALIBRATION_SLOTS)))
+            self.latest = {"noise_kl": measured, "noise_kl_served_max": measured, "noise_redraws": 0.0}
             if measured > 0 and abs(math.log(measured / self.cfg.target_kl)) < _CLOSE:
                 return
             below, above = (max(below, self.scale), above) if measured < self.cfg.target_kl else (below, min(above, self.scale))
@@ -149,7 +215,7 @@ class NoiseControl:
         return position_logits(model, *(t[rows] for t in tensors), run=run)
 
     def state(self) -> dict:
-        return {"noise_scale": self.scale, "noise_calibrated": self.calibrated}
+        return {"noise_scale": self.scale, "noise_calibrated": self.calibrated}  # `served`: one step's, let go
 
     def load_state(self, meta: dict) -> None:
         self.scale = float(meta.get("noise_scale", 1.0))
@@ -175,7 +241,7 @@ class FixedNoise:
 
     latest: dict = {}
 
-    def observe(self, input_ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor, group: int = 0) -> None:
+    def observe(self, batch, group: int = 0) -> None:
         pass
 
     def plan(self, model, optimizer, step: int) -> None:
@@ -189,10 +255,12 @@ class FixedNoise:
 
 
 def make_noise_control(cfg: NoiseConfig, *, serves_noise: bool, n_slots: int, base_seed: int, temperature: float,
-                       prompts: list[list[int]] | None = None, device: torch.device | str = "cpu"):
+                       prompts: list[list[int]] | None = None, device: torch.device | str = "cpu",
+                       measured_by_samplers: bool = False):
     """`NoiseControl` where slots serve noise (`serves_noise`: a posterior and a 3PO exploration) and
-    noise.target_kl > 0; `FixedNoise` otherwise."""
+    noise.target_kl > 0, fed by the samplers' measurements where `measured_by_samplers`; `FixedNoise`
+    otherwise."""
     if serves_noise and cfg.target_kl:
         return NoiseControl(cfg, n_slots=n_slots, base_seed=base_seed, temperature=temperature, prompts=prompts,
-                            device=device)
+                            device=device, measured_by_samplers=measured_by_samplers)
     return FixedNoise()

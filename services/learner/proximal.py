@@ -43,16 +43,27 @@ class StartLogprobs:
         return out
 
 
-def drift_sample(points: list, sample: int, *, step: int, seed: int) -> torch.Tensor:
-    """Rows on which the drift diagnostic is measured: a seeded sample of `sample` rows of one
-    (slot seed, scale) point, the point rotating with `step` (`sample` 0: every row)."""
+def drift_sample(points: list, sample: int, *, step: int, seed: int, group_size: int) -> torch.Tensor:
+    """Rows on which the drift diagnostic is measured: `sample` rows of one (slot seed, scale) point,
+    the point rotating with `step`, in pairs of rows of one group (two rollouts of one prompt, whose
+    prompt the shared-prefix forward computes once) from groups drawn at random (seeded by `seed` and
+    `step`), a single row where a group holds one of the point's; `sample` 0: every row. Rows are
+    [B] in groups of `group_size` consecutive rows."""
     if not sample:
         return torch.arange(len(points))
     distinct = sorted(set(points), key=lambda p: (p[0] is None, p[0] or 0, p[1]))
     chosen = distinct[step % len(distinct)]
-    rows = torch.tensor([r for r, p in enumerate(points) if p == chosen])
+    by_group: dict[int, list[int]] = {}
+    for r, p in enumerate(points):
+        if p == chosen:
+            by_group.setdefault(r // group_size, []).append(r)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    return rows[torch.randperm(len(rows), generator=gen)[:sample]].sort().values
+    groups, rows = sorted(by_group), []
+    for g in torch.randperm(len(groups), generator=gen).tolist():
+        rows += by_group[groups[g]][:2]
+        if len(rows) >= sample:
+            break
+    return torch.tensor(sorted(rows[:sample]))
 
 
 def drift_metrics(batch, start: StartLogprobs, updates: list, measured: torch.Tensor) -> dict:

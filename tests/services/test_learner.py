@@ -580,7 +580,8 @@ def test_the_probe_takes_runs_of_rows_sharing_a_prompt_and_measures_what_a_plain
                                                                                              monkeypatch):
     from threepo.services import prefix_forward
     learner = Learner(tiny_dense_path, AlgoConfig(exploration="c3po", n_slots=4, group_size=8), OptimConfig(),
-                      SyncConfig(max_staleness=1), temperature=1.0, max_new_tokens=10, noise=NoiseConfig(target_kl=0.01))
+                      SyncConfig(max_staleness=1), temperature=1.0, max_new_tokens=10,
+                      noise=NoiseConfig(target_kl=0.01, probe_rows=16))  # the learner's probe (vllm, sglang)
     groups = _groups(sampler, learner, "c3po", 4, 8)
     assert _step(learner, groups).publish
     control = learner.noise
@@ -612,3 +613,27 @@ def test_a_step_reports_its_time_by_phase_and_the_phases_add_up(sampler, tiny_de
     assert within == pytest.approx(m["step_time_s"], rel=0.05)
     learner.published()
     assert set(learner.clock.take()) == {"time/publish_s", "cpu/publish_s"}
+
+
+def test_the_drift_sample_takes_one_slots_rollouts_in_pairs_that_share_a_prompt():
+    from threepo.services.learner.proximal import drift_sample
+
+    points = [(seed, 1.0) for _ in range(8) for seed in (10, 10, 11, 11, 12, 12, 13, 13)]  # 8 groups of 8
+    for step in range(4):
+        rows = drift_sample(points, 8, step=step, seed=0, group_size=8)
+        assert len(rows) == 8 and {points[r] for r in rows.tolist()} == {((10, 11, 12, 13)[step], 1.0)}
+        groups = (rows // 8).tolist()
+        assert all(groups.count(g) == 2 for g in groups)  # 4 prompts, both of the slot's rollouts of each
+    assert not torch.equal(drift_sample(points, 8, step=0, seed=0, group_size=8),
+                           drift_sample(points, 8, step=4, seed=0, group_size=8))  # groups drawn anew each step
+    assert drift_sample(points, 0, step=0, seed=0, group_size=8).tolist() == list(range(64))
+
+
+def test_adamw_measures_the_drift_on_every_rollout_from_its_update_forward(sampler, tiny_dense_path):
+    learner = _learner(tiny_dense_path, exploration="grpo", n_slots=1, optim=OptimConfig(name="adamw", lr=1e-4),
+                       sync=SyncConfig(max_staleness=4, drift_rows=2))
+    groups = _groups(sampler, learner, "grpo", 1, 8)
+    forwards, original = [], learner._logprobs
+    learner._logprobs = lambda batch, rows: forwards.append(len(rows)) or original(batch, rows)
+    m = _step(learner, groups).metrics
+    assert not forwards and m["kl_k3_drift"] == m["kl_k3"] and m["ess_frac_drift"] == m["ess_frac"]
