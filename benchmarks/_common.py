@@ -16,6 +16,8 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
+import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -122,7 +124,7 @@ def train_run(model: str, overrides, label: str, recipe: str | None = None, held
                 cores.place(ray.get(roles.learner.process_id.remote()))
             for line in cores.lines():
                 print(f"[{label}] {line}", file=sys.stderr)
-            meter = CpuMeter(roles)
+            meter = CpuMeter(roles, os.path.join(run_dir, "metrics.jsonl"), cfg.runtime.steps)
             started = time.monotonic()
             summary = run(cfg, run_dir, roles)
             wall = time.monotonic() - started
@@ -144,11 +146,14 @@ def train_run(model: str, overrides, label: str, recipe: str | None = None, held
 
 class CpuMeter:
     """CPU seconds (user + system, all threads) each role's processes (and their child processes),
-    the driver's process and the whole machine use from construction to `stop`. For runs on one
+    the driver's process and the whole machine use from construction to `stop`, and given the run's
+    `metrics` file and `steps`, also over the loop figures' window (`loop_figures`: from the end of
+    step 1 to the end of step T-1, sampled by a thread as those rows are written), which leaves out
+    what runs once at the start (the noise control's calibration, the first version). For runs on one
     machine: actors' processes are found by pid (psutil), so roles on other nodes, or started during
     the run, are not counted (a process that exits counts what it had used when last read)."""
 
-    def __init__(self, roles) -> None:
+    def __init__(self, roles, metrics: str = "", steps: int = 0) -> None:
         import psutil
         import ray
 
@@ -164,6 +169,19 @@ class CpuMeter:
         self.procs["driver"] = [psutil.Process()]
         self.last: dict = {}
         self.start = self._sample()
+        self.window: list[dict] = []  # the samples at the end of step 1 and of step T-1
+        if metrics and steps >= 3:
+            threading.Thread(target=self._watch, args=(metrics, (1, steps - 1)), daemon=True).start()
+
+    def _watch(self, metrics: str, rows: tuple[int, int]) -> None:
+        """Sample when the metrics file holds `rows[0]` step rows, then `rows[1]` (polled every 0.1 s)."""
+        for wanted in rows:
+            while True:
+                with contextlib.suppress(OSError), open(metrics) as f:
+                    if sum('"step_time_s"' in line for line in f) >= wanted:
+                        break
+                time.sleep(0.1)
+            self.window.append(self._sample())
 
     def _sample(self) -> dict[str, float]:
         import psutil
@@ -179,17 +197,27 @@ class CpuMeter:
     def stop(self, wall_s: float, steps: int) -> dict:
         """{'per_step_s': CPU seconds per learner step of each role, the driver, 'other' (the rest of
         the machine: Ray's own processes, anything else) and 'total'; 'machine_busy': the machine's
-        busy share of all its cores over `wall_s`; 'cores'}."""
+        busy share of all its cores over `wall_s`; 'cores'; with the window sampled,
+        'timed_per_step_s': the same per step over steps 2..T-1}."""
         import psutil
 
         end = self._sample()
-        used = {k: end[k] - self.start[k] for k in end}
-        machine = used.pop("machine")
-        per_step = {k: v / max(steps, 1) for k, v in used.items()}
-        per_step["other"] = max(machine - sum(used.values()), 0.0) / max(steps, 1)
-        per_step["total"] = machine / max(steps, 1)
+        per_step, machine = _per_step(self.start, end, steps)
         cores = psutil.cpu_count()
-        return {"per_step_s": per_step, "machine_busy": machine / (wall_s * cores), "cores": cores}
+        out = {"per_step_s": per_step, "machine_busy": machine / (wall_s * cores), "cores": cores}
+        if len(self.window) == 2:  # steps 2..T-1
+            out["timed_per_step_s"] = _per_step(*self.window, steps - 2)[0]
+        return out
+
+
+def _per_step(start: dict, end: dict, steps: int) -> tuple[dict, float]:
+    """CPU seconds per step of each role between two samples, 'other' and 'total'; the machine's CPU."""
+    used = {k: end[k] - start[k] for k in end}
+    machine = used.pop("machine")
+    per_step = {k: v / max(steps, 1) for k, v in used.items()}
+    per_step["other"] = max(machine - sum(used.values()), 0.0) / max(steps, 1)
+    per_step["total"] = machine / max(steps, 1)
+    return per_step, machine
 
 
 def loop_figures(rows: list[dict]) -> dict:
@@ -236,6 +264,7 @@ def publish_reasons(rows: list[dict]) -> dict:
         out[key] = out.get(key, 0) + 1
     stale = [r["staleness_mean"] for r in rows if "staleness_mean" in r]
     out["staleness_mean"] = round(statistics.mean(stale), 2) if stale else float("nan")
+    out["drift_by_step"] = [[r.get("kl_k3_drift"), r.get("ess_frac_drift"), r.get("sync_reason")] for r in rows]
     return out
 
 

@@ -34,6 +34,7 @@ import json
 import math
 import os
 import time
+from types import SimpleNamespace
 
 import _common
 
@@ -96,8 +97,8 @@ class Bench:
         self.version = 0
         self.probe = self._probe()
 
-    def _probe(self) -> tuple:
-        """(input_ids, attn, mask) of the mean's completions of the first prompts (the KL probe)."""
+    def _probe(self) -> SimpleNamespace:
+        """The mean's completions of the first prompts as the KL probe reads a batch (input_ids, attn, mask)."""
         import torch
 
         from threepo.services.engines.base import EngineRequest
@@ -113,7 +114,7 @@ class Bench:
         for r, (p, row) in enumerate(zip(prompts, rows)):
             ids[r, :len(row)], attn[r, :len(row)] = torch.tensor(row), 1
             mask[r, len(p) - 1:len(row) - 1] = 1
-        return ids, attn, mask
+        return SimpleNamespace(input_ids=ids, attn=attn, mask=mask)  # the fields of a TrainBatch the probe reads
 
     def _params(self, temperature: float, n: int):
         from threepo.services.messages import SamplingParams
@@ -141,7 +142,7 @@ class Bench:
         optimizer = IVONPosterior(self.named, self.cfg.optim, SingleRank(), noise)
         control = NoiseControl(noise, n_slots=self.samples, base_seed=7, temperature=self.temperature)
         control.scale = start
-        control.observe(*self.probe)
+        control.observe(self.probe)
         slots = control.plan(self.model, optimizer, step=level_index)
         return slots, control.latest, optimizer.noised
 
@@ -153,7 +154,7 @@ class Bench:
         from threepo.services.learner.noise_control import NoiseControl
 
         control = NoiseControl(NoiseConfig(target_kl=level), n_slots=1, base_seed=1, temperature=self.temperature)
-        control.observe(*self.probe)
+        control.observe(self.probe)
         with torch.no_grad():
             logits = torch.cat(control.logits(self.model))
         base = torch.log_softmax(logits / self.temperature, -1)

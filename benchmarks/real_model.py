@@ -310,25 +310,96 @@ def memory_part(model: str, data: str, args) -> dict:
 WALL_ARMS = (("c3po", None), ("grpo", "grpo_baseline"), ("grpo_ivon", None))
 
 
+def slot_kl_check(model: str, checkpoint: str, overrides: list[str], prompts: int) -> dict:
+    """Each served slot's per-token KL to the mean measured apart from the noise control, at the end of
+    a C3PO run: every version `checkpoint` holds (the run's final one) is served again by a sampler as in the run
+    (the hf engine, the run's dtype and sampling, the KL gate included), each of its slots samples 2
+    rollouts of `prompts` training prompts, and transformers' own forward in fp32 scores them at the
+    weights served (θ̂ = m + c · σ ⊙ z built by `param_noise.perturbed_state`, cast to the served dtype)
+    against the served mean: exact KL over the vocabulary on their first 64 tokens. Not the
+    controller's measurement code (the engine's lean decoder) nor its numbers."""
+    import numpy as np
+    import torch
+
+    from threepo.algorithms.noise_scale import policy_kl
+    from threepo.algorithms.param_noise import perturbed_state
+    from threepo.services.datasets import train_items
+    from threepo.services.engines.hf import HFEngine
+    from threepo.services.messages import RolloutRequest
+    from threepo.services.modeling import load_model
+    from threepo.services.posterior import load_posterior
+    from threepo.services.prompting import PromptEncoder
+    from threepo.services.sampler import KL_POSITIONS, Sampler
+
+    cfg = _common.config(model, overrides)
+    dtype = getattr(torch, cfg.sampler.dtype)
+    engine = HFEngine(model, cfg.sampler)
+    sampler = Sampler(engine, 0, cfg.sampler, PromptEncoder.from_path(model, cfg.prompt), noise=cfg.noise)
+    scorer = load_model(model).float().eval()
+    items = train_items(cfg.data, cfg.task)[:prompts]
+    server, slots = load_posterior(checkpoint), []
+    for version, held in sorted(server._versions.items()):
+        if held.sigma is None:
+            continue
+        plan = held.plan
+        sampler.update(version, held.mean, held.sigma, held.mean_checksum, held.noise_rank,
+                       slots=tuple((s.seed, s.scale) for s in plan.slots))
+        batch = sampler.generate([RolloutRequest(f"check/{version}/{it.uid}/{s.index}", it.uid, it, version, s.index,
+                                                 s.seed, 2, slot_scale=s.scale) for it in items for s in plan.slots])
+        mean = {n: torch.from_numpy(np.asarray(a, dtype=np.float32)) for n, a in held.mean.items()}
+        sigma = {n: torch.from_numpy(np.asarray(a, dtype=np.float32)) for n, a in held.sigma.items()}
+        for (seed, scale) in sorted({(r.slot_seed, r.slot_scale) for r in batch.requests}):
+            rows = [b for b in range(len(batch.texts)) if (batch.requests[batch.row_request[b]].slot_seed,
+                                                          batch.requests[batch.row_request[b]].slot_scale) == (seed, scale)]
+            theta = perturbed_state(mean, sigma, seed, scale, rank=held.noise_rank)
+            total, count = 0.0, 0
+            for b in rows:
+                req = int(batch.row_request[b])
+                prompt = batch.prompt_ids[batch.prompt_offsets[req]:batch.prompt_offsets[req + 1]].tolist()
+                tokens = batch.token_ids[batch.token_offsets[b]:batch.token_offsets[b + 1]].tolist()[:KL_POSITIONS]
+                ids = torch.tensor([prompt + tokens])
+                logits = []
+                for weights in (theta, mean):
+                    with torch.no_grad():
+                        for name, p in scorer.named_parameters():
+                            p.copy_(weights[name].to(dtype).float())
+                        logits.append(scorer(input_ids=ids).logits[0, len(prompt) - 1:len(prompt) - 1 + len(tokens)])
+                total += float(policy_kl(*logits, cfg.sampler.temperature).sum())
+                count += len(tokens)
+            slots.append({"version": version, "seed": seed, "scale": scale, "kl": total / count, "rows": len(rows)})
+    target = cfg.noise.target_kl
+    within = [s for s in slots if 0.5 * target <= s["kl"] <= 2 * target]
+    out = {"target_kl": target, "slots": slots, "within": len(within), "share_within": len(within) / max(len(slots), 1)}
+    print(f"independent check: {len(within)} of {len(slots)} served slots within [0.5, 2] x target {target} "
+          f"(target >= 90%); KL by slot " + ", ".join(f"v{s['version']} {s['kl']:.4f}" for s in slots))
+    return out
+
+
 def wall_part(model: str, data: str, args) -> dict:
     """C3PO (N = 4) against GRPO (`grpo_baseline`, AdamW) and GRPO on IVON with no noise (C3PO's
     optimizer, the mean served) at the exploration study's real-model settings (`REAL_SIZES`,
     `REAL_ARMS`), `--wall-steps` steps each: the loop's wall per step and the learner's step over
     steps 2..T-1 (`_common.loop_figures`), the CPU seconds per step of each role, and the learner's CPU
     seconds per step by phase (`_common.learner_phases`; services/learner/phases.py)."""
-    out = {}
+    from threepo.deploy.checkpoints import latest
+
+    out, check = {}, None
     for name, recipe in WALL_ARMS:
-        run = _common.train_run(model, [f"data.path={data}", *REAL_SIZES, *LAST_NUMBER, *REAL_ARMS[name],
-                                        f"runtime.steps={args.wall_steps}", *args.overrides], f"wall {name}",
-                                recipe=recipe)
+        overrides = [f"data.path={data}", *REAL_SIZES, *LAST_NUMBER, *REAL_ARMS[name], f"runtime.steps={args.wall_steps}",
+                     *args.overrides]
+        with tempfile.TemporaryDirectory(prefix="threepo-wall-") as runs:
+            run = _common.train_run(model, overrides, f"wall {name}", recipe=recipe, runs_dir=runs)
+            if name == "c3po" and args.kl_check:
+                check = slot_kl_check(model, latest(os.path.dirname(run["summary"]["final_checkpoint"])), overrides,
+                                      args.kl_check)
         out[name] = {k: run[k] for k in ("step_wall_s", "learner_step_s", "tokens_per_step", "engine_busy", "cpu",
                                          "run_wall_s")}
         out[name]["phases"] = _common.learner_phases(run["rows"])
         out[name]["publishes"] = _common.publish_reasons(run["rows"])
+    cpu = {name: f["cpu"].get("timed_per_step_s") or f["cpu"]["per_step_s"] for name, f in out.items()}
     rows = [[name, f["step_wall_s"], f["learner_step_s"], f["tokens_per_step"], f["engine_busy"].get("mean", 0.0),
-             f["cpu"]["per_step_s"]["learner"], f["cpu"]["per_step_s"]["samplers"], f["cpu"]["per_step_s"]["total"]]
-            for name, f in out.items()]
-    _common.table(f"SmolLM2-135M, C3PO against GRPO, {args.wall_steps} steps (steps 2..T-1 timed)",
+             cpu[name]["learner"], cpu[name]["samplers"], cpu[name]["total"]] for name, f in out.items()]
+    _common.table(f"SmolLM2-135M, C3PO against GRPO, {args.wall_steps} steps (steps 2..T-1 timed, CPU too)",
                   ["arm", "step wall s", "learner step s", "tokens/step", "engine busy", "CPU/step learner",
                    "CPU/step samplers", "CPU/step total"], rows)
     phases = [p for p in PHASES if any(f["phases"]["cpu"].get(p) for f in out.values())]
@@ -336,11 +407,13 @@ def wall_part(model: str, data: str, args) -> dict:
                   [[name, *(f["phases"]["cpu"].get(p, 0.0) for p in phases), sum(f["phases"]["cpu"].values())]
                    for name, f in out.items()])
     for name, f in out.items():
-        print(f"{name}: publishes by reason {f['publishes']}")
+        print(f"{name}: publishes by reason " + ", ".join(f"{k} {v}" for k, v in f["publishes"].items()
+                                                           if k != "drift_by_step"))
+    if check is not None:
+        out["kl_check"] = check
     out["c3po_over_grpo"] = out["c3po"]["step_wall_s"] / out["grpo"]["step_wall_s"]
     out["c3po_over_grpo_ivon"] = out["c3po"]["step_wall_s"] / out["grpo_ivon"]["step_wall_s"]
-    out["learner_cpu_c3po_over_grpo"] = (out["c3po"]["cpu"]["per_step_s"]["learner"]
-                                         / out["grpo"]["cpu"]["per_step_s"]["learner"])
+    out["learner_cpu_c3po_over_grpo"] = cpu["c3po"]["learner"] / cpu["grpo"]["learner"]
     print(f"C3PO / GRPO step wall {out['c3po_over_grpo']:.2f} (target <= 1.15), C3PO / GRPO-on-IVON "
           f"{out['c3po_over_grpo_ivon']:.2f} (<= 1.05); learner CPU per step C3PO / GRPO "
           f"{out['learner_cpu_c3po_over_grpo']:.2f} (<= 1.2)")
@@ -399,6 +472,8 @@ def main() -> None:
     p.add_argument("--memory-steps", type=int, default=4, help="steps of each memory run")
     p.add_argument("--memory-runs", type=int, default=2, help="runs of each arm in the memory part (the worst counts)")
     p.add_argument("--wall-steps", type=int, default=6, help="steps of each run of the wall part")
+    p.add_argument("--kl-check", type=int, default=8, help="training prompts the wall part's independent check of "
+                   "the served slots' KL samples per slot (0: no check)")
     p.add_argument("--engine-batch", type=int, default=16, help="prompts in the engine comparison")
     p.add_argument("--threads", type=int, default=2, help="torch threads in the engine comparison")
     p.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16"],
