@@ -35,9 +35,11 @@ no longer needed by any group (`take` returns the keys to drop).
 
 Version lifetime has this one owner: the ledger keeps the plan of every version a group in flight
 still names, holds one reference on the posterior server to the version it admits at (taken when the
-version is published, `adopt` says which to release), counts the references its admissions take and
-its steps release (`take` returns them per version), and says which versions' weights the driver
-must keep a reference to (`live_versions`). The driver only mirrors its answers on the server.
+version is published, `adopt` says which to release), counts the references its admissions take
+(one a group) and the arrivals that release them (`arrived_holds`: a group whose rollouts have all
+arrived needs its version's weights no more, though it may wait steps for the learner), and says
+which versions' weights the driver must keep a reference to (`live_versions`). The driver only
+mirrors its answers on the server.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from collections import Counter, deque
 from collections.abc import Hashable, Sequence
 
 from threepo.deploy.ledger_parts import (OK, Counts, OpenGroup, OpenRound, PersistentFailure, Readmission,
-                                         admission_open, parse_round_key, round_key)
+                                         admission_open, parse_round_key, round_key, route_calls)
 from threepo.deploy.stream import PromptStream, RangeSet
 from threepo.services.batching import INFRA
 from threepo.services.messages import GenerateReport, GroupRows, RolloutRequest, ScoreBatch
@@ -74,6 +76,7 @@ class Ledger:
         self._readmits: Counter = Counter()  # step (admission) -> re-admissions among its prompts
         self._rounds: dict[tuple[int, int], OpenRound] = {}  # (prompt index, round) -> open round
         self._filtered: list[OpenGroup] = []    # dropped by the dynamic filter, released at the next take
+        self._arrived_holds: Counter = Counter()  # version -> groups complete since `arrived_holds` was read
         self._dropped_this_step = 0
         self.consumed_rounds: set = set()  # (prompt index, round ≥ 1) all of whose groups were consumed
         self.version: int | None = None
@@ -177,23 +180,9 @@ class Ledger:
 
     # --- routing ------------------------------------------------------------------------------------
     def route(self, requests: Sequence[RolloutRequest], samplers: Sequence[Hashable]) -> list[tuple[Hashable, list]]:
-        """(sampler, requests) calls, one version per call and at most `requests_per_call` each.
-        Request (prompt p, slot s) goes to sampler (p·S + s) mod n of the live ones: with at least as
-        many slots as engines each engine keeps its slots (no weight switching), otherwise prompts
-        spread round-robin. A sampler's requests are cut into calls slot by slot, so a call serves
-        as few slots as possible and each slot's prompts are decoded in one batch."""
-        if not samplers:
-            raise RuntimeError("no sampler is alive to route requests to")
-        by_target: dict = {}
-        for r in requests:
-            p = self.groups[r.group_id].prompt_index
-            target = samplers[(p * len(self.plan.slots) + r.slot) % len(samplers)]
-            by_target.setdefault((target, r.policy_version), []).append(r)
-        calls = []
-        for (target, _), reqs in by_target.items():
-            reqs = sorted(reqs, key=lambda r: (r.slot, r.slot_scale))  # stable: admission order within a slot
-            calls += [(target, reqs[k:k + self.per_call]) for k in range(0, len(reqs), self.per_call)]
-        return calls
+        """(sampler, requests) calls: `ledger_parts.route_calls` over the current plan's slots."""
+        return route_calls(requests, [self.groups[r.group_id].prompt_index for r in requests],
+                           len(self.plan.slots), samplers, self.per_call)
 
     # --- results --------------------------------------------------------------------------------------
     def arrived(self, key: Hashable, report: GenerateReport, scores: ScoreBatch) -> list[RolloutRequest]:
@@ -229,6 +218,7 @@ class Ledger:
         rnd.rows += len(rewards)
         rnd.lo, rnd.hi = min(rnd.lo, float(rewards.min())), max(rnd.hi, float(rewards.max()))
         if len(group.arrived) == len(group.expected):
+            self._arrived_holds[group.version] += 1
             rnd.left -= 1
             if not rnd.left:
                 self._close_round(group.prompt_index, group.round)
@@ -306,13 +296,19 @@ class Ledger:
     def ready(self) -> int:
         return len(self._ready)
 
-    def take(self) -> tuple[list[GroupRows], list[Hashable], list[Hashable], Counter]:
+    def arrived_holds(self) -> Counter:
+        """Groups whose rollouts have all arrived since the last call, per version: the posterior
+        holds their admissions took, which the driver releases."""
+        out, self._arrived_holds = self._arrived_holds, Counter()
+        return out
+
+    def take(self) -> tuple[list[GroupRows], list[Hashable], list[Hashable]]:
         """The next step's groups, oldest admitted first: (group rows, the batch keys they index,
-        batch keys no open group needs any more, groups consumed per version). Groups the dynamic
-        filter dropped since the last take are released here too (their keys and versions)."""
+        batch keys no open group needs any more). Groups the dynamic filter dropped since the last
+        take are released here too (their batch keys)."""
         chosen = [heapq.heappop(self._ready)[2] for _ in range(self.groups_per_step())]
         keys: list = []
-        rows, versions = [], Counter()
+        rows = []
         for gid in chosen:
             group = self.groups.pop(gid)
             parts = []
@@ -323,7 +319,6 @@ class Ledger:
                 parts.append((keys.index(key), first, n))
                 self._batch_refs[key] -= 1
             rows.append(GroupRows(gid, group.item, group.version, group.published_step, tuple(parts)))
-            versions[group.version] += 1
             self._consume(group)
             self.counts.consumed_rollouts += sum(n for _, _, n in parts)
         released = []
@@ -332,14 +327,13 @@ class Ledger:
             for key, _, _ in group.arrived.values():
                 self._batch_refs[key] -= 1
                 released.append(key)
-            versions[group.version] += 1
         self._filtered, self._dropped_this_step = [], 0
         drop = [k for k in dict.fromkeys(keys + released) if self._batch_refs[k] <= 0]
         for k in drop:
             del self._batch_refs[k]
         self.step += 1
         self._readmits = Counter({s: n for s, n in self._readmits.items() if s >= self.step})
-        return rows, keys, drop, versions
+        return rows, keys, drop
 
     def _consume(self, group: OpenGroup) -> None:
         key = group.prompt_index if not group.round else (group.prompt_index, group.round)

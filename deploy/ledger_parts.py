@@ -1,13 +1,15 @@
 """The plain parts of the driver's ledger (deploy/bookkeeping.py, whose docstring states the rules):
-the admission rule under the staleness bound, the re-admission settings, the ledger's records of its
-open groups and rounds, its delivery counts, and how a round's key is written in a checkpoint."""
+the admission rule under the staleness bound, the routing rule, the re-admission settings, the
+ledger's records of its open groups and rounds, its delivery counts, and how a round's key is written
+in a checkpoint."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from threepo.services.messages import STATUSES, TaskItem, VerifyStatus
+from threepo.services.messages import STATUSES, RolloutRequest, TaskItem, VerifyStatus
 
 
 def admission_open(*, mode: str, admitted_prompts: int, learner_steps: int, learner_busy: bool,
@@ -111,3 +113,23 @@ def round_key(key: int | tuple[int, int]) -> str:
 def parse_round_key(text: str) -> int | tuple[int, int]:
     index, _, rnd = text.partition("/r")
     return (int(index), int(rnd)) if rnd else int(index)
+
+
+def route_calls(requests: Sequence[RolloutRequest], prompts: Sequence[int], n_slots: int,
+                samplers: Sequence[Hashable], per_call: int) -> list[tuple[Hashable, list]]:
+    """(sampler, requests) calls, one version per call and at most `per_call` each (`prompts`: each
+    request's prompt index). Request (prompt p, slot s) goes to sampler (p·S + s) mod n of the live
+    ones: with at least as many slots as engines each engine keeps its slots (no weight switching),
+    otherwise prompts spread round-robin. A sampler's requests are cut into calls slot by slot, so a
+    call serves as few slots as possible and each slot's prompts are decoded in one batch."""
+    if not samplers:
+        raise RuntimeError("no sampler is alive to route requests to")
+    by_target: dict = {}
+    for r, p in zip(requests, prompts):
+        target = samplers[(p * n_slots + r.slot) % len(samplers)]
+        by_target.setdefault((target, r.policy_version), []).append(r)
+    calls = []
+    for (target, _), reqs in by_target.items():
+        reqs = sorted(reqs, key=lambda r: (r.slot, r.slot_scale))  # stable: admission order within a slot
+        calls += [(target, reqs[k:k + per_call]) for k in range(0, len(reqs), per_call)]
+    return calls

@@ -248,6 +248,8 @@ def on_scored(s: Loop, done, c: Call) -> None:
     s.restarts.observe("sampler", c.sampler, report.incarnation)
     key, s.next_key = s.next_key, s.next_key + 1
     redo = s.ledger.arrived(key, report, scores)
+    for v, n in s.ledger.arrived_holds().items():  # complete groups need their version's weights no more
+        s.roles.posterior.release.remote(v, n)
     if not s.ledger.drop_unused(key):
         s.batches[key] = (c.batch, done)
     s.window.generate_s[report.engine_id] += report.generate_s
@@ -279,15 +281,13 @@ def checkpoints_after(s: Loop, step: int) -> bool:
 
 def learn(s: Loop) -> None:
     """Hand the learner the next step's groups: row positions and references to their batches."""
-    groups, keys, drop, versions = s.ledger.take()
+    groups, keys, drop = s.ledger.take()
     batch_refs, score_refs = zip(*(s.batches[k] for k in keys))
     result, version = s.roles.learner.step.remote(groups, len(keys), *batch_refs, *score_refs)
     s.inflight[result] = Learned()
     s.learning.append((s.ledger.step, result, version))
     for k in drop:  # the step's task holds its own references from here on
         del s.batches[k]
-    for v, n in versions.items():
-        s.roles.posterior.release.remote(v, n)
     if s.idle_since is not None:
         s.window.learner_wait_s += time.monotonic() - s.idle_since
         s.idle_since = None

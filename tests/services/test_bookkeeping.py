@@ -75,9 +75,10 @@ def test_admission_routing_and_assembly_of_a_c3po_step():
     for k, (target, reqs) in enumerate(calls):
         assert ledger.arrived(k, _report(reqs), _scores(reqs)) == []
     assert ledger.ready() == 4
-    groups, keys, drop, versions = ledger.take()
+    assert ledger.arrived_holds() == {0: 4} and ledger.arrived_holds() == {}  # four groups complete, read once
+    groups, keys, drop = ledger.take()
     assert [g.group_id for g in groups] == ["p0/g0", "p1/g0"]  # oldest admitted first
-    assert all(sum(n for _, _, n in g.parts) == 4 for g in groups) and versions == {0: 2}
+    assert all(sum(n for _, _, n in g.parts) == 4 for g in groups)
     assert ledger.counts.consumed_rollouts == 8 and ledger.step == 1
     assert set(drop) <= set(keys) and len(keys) == len({k for g in groups for k, _, _ in g.parts})
 
@@ -249,8 +250,8 @@ def test_the_dynamic_filter_replaces_equal_reward_prompts_within_its_budget():
     assert ledger.admitted_prompts == 3
     extra = ledger.admit(learner_busy=False)
     assert {r.group_id for r in extra} == {"p4/g0"}  # the replacement takes p0's place
-    groups, keys, drop, versions = ledger.take()
-    assert [g.group_id for g in groups] == ["p1/g0", "p2/g0"] and versions == {0: 3}  # p0's group released too
+    groups, keys, drop = ledger.take()
+    assert [g.group_id for g in groups] == ["p1/g0", "p2/g0"]
     p0_keys = [k for k in drop if k[0].startswith("p0/")]
     assert len(p0_keys) == 2 and not set(p0_keys) & set(keys)  # its batches are freed, not handed to the learner
     assert 0 in ledger.consumed and ledger.counts.dropped_rollouts == 4
