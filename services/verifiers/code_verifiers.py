@@ -1,9 +1,10 @@
 """Code verifiers: run the program a completion contains and score what it does.
 
-`code_output` runs the program and compares its stdout with `TaskItem.answer`; `code_tests` runs
-the program and then each statement of `TaskItem.tests` under the test harness
-(services/verifiers/harness.py), and passes only when the harness reports that every test ran and
-passed: exiting early, hooking the exit or the output, or printing a fake verdict is not `ok`.
+`code_output` runs the program and compares its stdout with `TaskItem.answer` (here, in the
+verifier's process: the program only writes its output); `code_tests` runs the program in the
+sandbox and each statement of `TaskItem.tests` in a trusted process beside it, calling the program's
+functions across with plain data only (services/verifiers/harness.py), and passes only when the
+trusted side reports that every test ran and passed.
 
 How the program is found in a completion (`extract_program`): among the fenced blocks (```python,
 ```py, ```python3 or unmarked; any case), the last one that defines the item's entry point when it
@@ -18,8 +19,9 @@ program does not define the entry point itself, the program is the prefix follow
                  non-zero exit (a signal included)           -> runtime_error
     code_tests:  the harness reports every test passed        -> ok (reward 1)
                  an AssertionError in a test (any message)   -> wrong
-                 another exception, an exit before the tests
-                 finished, no report (e.g. a self-kill)      -> runtime_error
+                 another exception (a result that is not
+                 plain data included), the program's process
+                 ending before the tests finished            -> runtime_error
     both:        output over the cap                         -> runtime_error
                  wall-clock deadline or CPU-time limit       -> timeout
                  the sandbox itself failed                   -> infra_error (reward NaN, never 0)
@@ -35,9 +37,10 @@ import time
 from dataclasses import dataclass
 
 from threepo.services.messages import TaskItem, VerifyRequest, VerifyResult, VerifyStatus
-from threepo.services.verifiers.harness import harness_program, new_token, read_report, without_report
+from threepo.services.verifiers.harness import new_token, read_report, without_report
 from threepo.services.verifiers.sandbox import (OUTPUT_LIMIT_MESSAGE, LocalSandbox, RunResult, RunStatus,
                                                 SandboxConfig)
+from threepo.services.verifiers.split_run import run_tests
 
 _FENCE = re.compile(r"```(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 _BOXED = "\\boxed{"
@@ -108,13 +111,14 @@ def result(status: VerifyStatus, details: str, start: float) -> VerifyResult:
 
 @dataclass(frozen=True)
 class Prepared:
-    """What to run: the source, what goes on its stdin, and what scores it: the expected stdout
-    (code_output) or the harness's report token (code_tests)."""
+    """What to run: the program, what goes on its stdin, and what scores it: the expected stdout
+    (code_output), or the tests and the trusted side's report token (code_tests)."""
 
     code: str
     stdin: str | None = None
     expected: str | None = None
     token: str | None = None
+    tests: tuple[str, ...] = ()
 
 
 def score_run(run: RunResult, expected_stdout: str | None, start: float, token: str | None = None) -> VerifyResult:
@@ -148,6 +152,8 @@ def _score_report(run: RunResult, token: str, start: float) -> VerifyResult:
         return result(VerifyStatus.WRONG, f"test {done + 1} of {total} failed: {detail}", start)
     if verdict == "error":
         return result(VerifyStatus.RUNTIME_ERROR, f"test {done + 1} of {total}: {detail}", start)
+    if verdict == "timeout":
+        return result(VerifyStatus.TIMEOUT, f"test {done + 1} of {total}: {detail}", start)
     return result(VerifyStatus.RUNTIME_ERROR, f"before the tests: {detail}", start)
 
 
@@ -167,7 +173,7 @@ def prepare(request: VerifyRequest, with_tests: bool) -> tuple[Prepared | None, 
     if not with_tests:
         return Prepared(program, expected=item.answer), None
     token = new_token()
-    return Prepared(harness_program(program, item.tests), stdin=token, token=token), None
+    return Prepared(program, stdin=token, token=token, tests=tuple(item.tests)), None
 
 
 class LocalCodeVerifier:
@@ -186,7 +192,10 @@ class LocalCodeVerifier:
         prepared, early = prepare(request, self.with_tests)
         if early is not None:
             return early
-        run = await self.sandbox.run(prepared.code, stdin=prepared.stdin)
+        if prepared.tests:
+            run = await run_tests(self.sandbox, prepared.code, prepared.tests, prepared.token)
+        else:
+            run = await self.sandbox.run(prepared.code, stdin=prepared.stdin)
         return score_run(run, prepared.expected, start, prepared.token)
 
     def close(self) -> None:

@@ -5,6 +5,11 @@ run_timeout, memory_limit_MB, stdin, files}` and answers `{status: Success|Faile
 message, compile_result, run_result}`, each result `{status: Finished|TimeLimitExceeded|Error,
 execution_time, return_code, stdout, stderr}`. `POST /submit` grades a completion against your own
 stdin/stdout cases with `config.dataset_type="CommonOJDataset"` and `config.provided_data`.
+`POST /run_tests` (threepo's own service, services/verifiers/sandbox_server.py) takes `{program,
+tests, stdin, run_timeout, memory_limit_MB}` and runs the code_tests harness's two processes
+(services/verifiers/harness.py): it answers like `/run_code`, the trusted side's report in
+`run_result.stdout`. A service without it (SandboxFusion itself) answers 404: code_tests items need
+threepo's service, code_output items run on either.
 
 How it calls (operations.md §3.4, §7 item 6):
 - every HTTP call holds the injected limiter (`async with limiter:`) while it is on the wire, never
@@ -36,7 +41,7 @@ import base64
 import json
 import random
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
 from typing import Any, AsyncContextManager
 
@@ -46,7 +51,8 @@ from threepo.services.errors import UserInputError
 from threepo.services.messages import VerifyRequest, VerifyResult, VerifyStatus
 from threepo.services.verifiers.base import BACKOFF_BASE_S, BACKOFF_MAX_S, JITTER, VerifierOutage
 from threepo.services.verifiers.code_verifiers import prepare, result, score_run
-from threepo.services.verifiers.sandbox import OUTPUT_LIMIT_MESSAGE, RunResult, RunStatus
+from threepo.services.verifiers.sandbox_wire import (START_BY_HEADER, RunCodeResponse, SandboxInfraError,
+                                                     SubmitResult, parse_run_code, to_run_result)
 
 
 @dataclass(frozen=True)
@@ -109,13 +115,6 @@ class RemoteSandboxConfig:
                              "0 <= base <= max and jitter in [0, 1]")
 
 
-START_BY_HEADER = "X-Threepo-Start-By-S"  # seconds within which the service must start the program, else 504 unrun
-
-
-class SandboxInfraError(RuntimeError):
-    """The remote sandbox could not give an answer about the program."""
-
-
 class SandboxAuthError(UserInputError):
     """HTTP 401/403: the sandbox refuses our token, for every request alike; a setup mistake to
     fix (`verifier.auth_env`), raised rather than scored, like the other input errors."""
@@ -123,66 +122,6 @@ class SandboxAuthError(UserInputError):
 
 class _Retryable(Exception):
     pass
-
-
-@dataclass(frozen=True)
-class CommandResult:
-    """`compile_result` / `run_result` of a `/run_code` response."""
-
-    status: str  # Finished | TimeLimitExceeded | Error
-    execution_time: float | None
-    return_code: int | None
-    stdout: str
-    stderr: str
-
-
-@dataclass(frozen=True)
-class RunCodeResponse:
-    status: str  # Success | Failed | SandboxError
-    message: str
-    compile_result: CommandResult | None
-    run_result: CommandResult | None
-
-
-@dataclass(frozen=True)
-class SubmitResult:
-    """The parts of an `EvalResult` we use: overall verdict and one verdict per test case."""
-
-    accepted: bool
-    passed: tuple[bool, ...]
-    extracted_code: str
-
-
-def _command(raw: dict[str, Any] | None, where: str) -> CommandResult | None:
-    if raw is None:
-        return None
-    missing = {f.name for f in fields(CommandResult)} - set(raw)
-    if missing:
-        raise SandboxInfraError(f"{where}: response lacks {sorted(missing)}")
-    return CommandResult(raw["status"], raw["execution_time"], raw["return_code"],
-                         raw["stdout"] or "", raw["stderr"] or "")
-
-
-def parse_run_code(body: dict[str, Any]) -> RunCodeResponse:
-    """Typed view of a `/run_code` body; a body missing fields is an infrastructure error."""
-    if not isinstance(body, dict) or "status" not in body:
-        raise SandboxInfraError(f"/run_code: expected an object with `status`, got {body!r:.200}")
-    return RunCodeResponse(body["status"], body.get("message", ""),
-                           _command(body.get("compile_result"), "compile_result"),
-                           _command(body.get("run_result"), "run_result"))
-
-
-def to_run_result(response: RunCodeResponse) -> RunResult:
-    """Map a response onto the local sandbox's outcome, so both are scored by `score_run`."""
-    run = response.run_result
-    if response.status == "SandboxError" or run is None:
-        return RunResult(RunStatus.SANDBOX_ERROR, None, "", response.message, 0.0)
-    status = {"Finished": RunStatus.FINISHED,
-              "TimeLimitExceeded": RunStatus.TIMEOUT}.get(run.status, RunStatus.FINISHED)
-    if run.status == "Error" and OUTPUT_LIMIT_MESSAGE in response.message:  # the server's word for the cap
-        status = RunStatus.OUTPUT_LIMIT
-    code = run.return_code if run.status == "Finished" else (run.return_code or -1)
-    return RunResult(status, code, run.stdout, run.stderr, run.execution_time or 0.0)
 
 
 @dataclass
@@ -230,6 +169,13 @@ class SandboxClient:
                    "files": {k: base64.b64encode(v).decode() for k, v in (files or {}).items()},
                    "fetch_files": []}
         return parse_run_code(await self._post("/run_code", payload))
+
+    async def run_tests(self, program: str, tests: tuple[str, ...], stdin: str) -> RunCodeResponse:
+        """The code_tests harness on the service: `program` in its sandbox, `tests` in a trusted process."""
+        cfg = self.config
+        payload = {"program": program, "tests": list(tests), "stdin": stdin, "run_timeout": cfg.run_timeout_s,
+                   "memory_limit_MB": cfg.memory_limit_mb}
+        return parse_run_code(await self._post("/run_tests", payload))
 
     async def submit(self, completion: str, cases: list[tuple[str, str]], uid: str = "0",
                      language: str = "python") -> SubmitResult:
@@ -333,6 +279,10 @@ class SandboxClient:
                     if resp.status in (401, 403):
                         raise SandboxAuthError(f"HTTP {resp.status} from {url}: the sandbox refused our token; "
                                                "expected verifier.auth_env to name a variable holding its token")
+                    if resp.status == 404 and path == "/run_tests":
+                        raise UserInputError(f"verifier remote_sandbox: {url} has no /run_tests (HTTP 404); "
+                                             "code_tests items need threepo's sandbox service (python -m "
+                                             "threepo.services.verifiers.sandbox_server)")
                     raise SandboxInfraError(f"HTTP {resp.status} from {url}: {text[:200]}")
         try:
             body = json.loads(text)
@@ -365,9 +315,10 @@ class SandboxClient:
 
 
 class RemoteSandboxVerifier:
-    """`remote_sandbox`: `code_output` semantics, or `code_tests` (the same test harness, its token sent
-    as the program's stdin) when the item has tests (every `code_tests` item has), executed by a remote
-    sandbox service. `options` are `RemoteSandboxConfig` fields."""
+    """`remote_sandbox`: `code_output` semantics (`/run_code`), or `code_tests` (the same two-process
+    harness, through `/run_tests`, its token sent as the trusted side's stdin) when the item has tests
+    (every `code_tests` item has), executed by a remote sandbox service. `options` are
+    `RemoteSandboxConfig` fields."""
 
     name = "remote_sandbox"
 
@@ -383,7 +334,10 @@ class RemoteSandboxVerifier:
         if early is not None:
             return early
         try:
-            response = await self.client.run_code(prepared.code, stdin=prepared.stdin)
+            if prepared.tests:
+                response = await self.client.run_tests(prepared.code, prepared.tests, prepared.token)
+            else:
+                response = await self.client.run_code(prepared.code, stdin=prepared.stdin)
         except SandboxInfraError as e:
             return result(VerifyStatus.INFRA_ERROR, str(e)[:300], start)
         compiled = response.compile_result

@@ -130,7 +130,7 @@ def interpreter_paths(python: str) -> tuple[str, str]:
     return str(prefix), f"{_PYTHON_MOUNT}/{exe.relative_to(prefix)}"
 
 
-def _bwrap_argv(cfg: SandboxConfig, workdir: str, started_fd: int) -> list[str]:
+def _bwrap_argv(cfg: SandboxConfig, workdir: str, started_fd: int, backstop: bool = True) -> list[str]:
     root = os.geteuid() == 0
     argv = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
             "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
@@ -154,7 +154,8 @@ def _bwrap_argv(cfg: SandboxConfig, workdir: str, started_fd: int) -> list[str]:
         argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
     # Backstop deadline inside: when the main child dies, bwrap's PID 1 exits and the kernel
     # kills the whole namespace, even if this process is gone and cannot kill the group.
-    argv += ["--", "timeout", "--signal=KILL", f"{cfg.wall_timeout_s + _BACKSTOP_S:g}"]
+    # (`backstop=False`: a long-lived sandbox, the code_tests harness's trusted runner, which keeps its own)
+    argv += ["--"] + (["timeout", "--signal=KILL", f"{cfg.wall_timeout_s + _BACKSTOP_S:g}"] if backstop else [])
     if root:
         argv += ["setpriv", f"--reuid={cfg.uid}", f"--regid={cfg.uid}", "--clear-groups",
                  "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
@@ -175,10 +176,11 @@ def _python_argv(python: str, started_fd: int) -> list[str]:
     return [python, "-I", "-S", "-c", launcher]
 
 
-def _set_limits(cfg: SandboxConfig) -> None:
-    """Runs in the forked child before exec; the limits pass through bwrap to the program."""
+def _set_limits(cfg: SandboxConfig, cpu: bool = True) -> None:
+    """Runs in the forked child before exec; the limits pass through bwrap to the program (`cpu=False`:
+    no CPU-time limit, for a long-lived sandbox whose children set their own)."""
     limits = {
-        resource.RLIMIT_CPU: (cfg.cpu_time_s, cfg.cpu_time_s + 1),
+        resource.RLIMIT_CPU: (cfg.cpu_time_s, cfg.cpu_time_s + 1) if cpu else (resource.RLIM_INFINITY,) * 2,
         resource.RLIMIT_AS: (cfg.memory_bytes, cfg.memory_bytes),
         resource.RLIMIT_NPROC: (cfg.max_processes, cfg.max_processes),
         resource.RLIMIT_FSIZE: (cfg.max_file_bytes, cfg.max_file_bytes),
@@ -320,8 +322,8 @@ class LocalSandbox:
             if proc.returncode is None:  # cancelled or failed: the program must not outlive us
                 _kill_group(proc.pid)
                 proc.wait()
-            proc.stdout.close()
-            proc.stderr.close()
+            # proc.stdout and stderr are their transports' to close: closed here first, their fds could
+            # be reused before uvloop's own close of them (a double close of someone else's fd)
             os.close(started_r)
 
 

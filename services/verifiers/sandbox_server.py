@@ -1,9 +1,11 @@
 """A sandbox service speaking the SandboxFusion-style API, built on `LocalSandbox`.
 
 Endpoints (operations.md §3.1): `POST /run_code` (Python only), `POST /submit` with
-`config.dataset_type="CommonOJDataset"` and the cases in `config.provided_data.test`, and
-`GET /v1/ping`, and `GET /v1/info` (the interpreter programs run on, as they see it, and the
-queue). At most `workers` programs run at once (default: the machine's cores); the rest queue.
+`config.dataset_type="CommonOJDataset"` and the cases in `config.provided_data.test`, threepo's own
+`POST /run_tests` (`{program, tests, stdin, run_timeout, memory_limit_MB}`: the code_tests harness,
+the program in the sandbox and the tests in a trusted process, services/verifiers/harness.py;
+answered like `/run_code`), `GET /v1/ping`, and `GET /v1/info` (the interpreter programs run on, as
+they see it, and the queue). At most `workers` programs run at once (default: the machine's cores); the rest queue.
 
 - A malformed request is answered 400 with one line naming the field and what was expected (a
   string timeout, a float memory limit, a number for stdin, a list for files, ...); so is a
@@ -41,9 +43,10 @@ from typing import Any
 from aiohttp import web
 
 from threepo.services.verifiers.code_verifiers import extract_program, normalize_output
-from threepo.services.verifiers.remote import START_BY_HEADER
 from threepo.services.verifiers.sandbox import (OUTPUT_LIMIT_MESSAGE, LocalSandbox, RunResult, RunStatus,
                                                 SandboxConfig, SandboxUnavailableError)
+from threepo.services.verifiers.sandbox_wire import START_BY_HEADER
+from threepo.services.verifiers.split_run import run_tests
 
 _RUN_STATUS = {RunStatus.FINISHED: "Finished", RunStatus.TIMEOUT: "TimeLimitExceeded",
                RunStatus.OUTPUT_LIMIT: "Error"}
@@ -181,7 +184,8 @@ class SandboxService:
 
     async def execute(self, code: str, stdin: str | None, files: dict[str, bytes],
                       run_timeout: float | None, memory_mb: int | None,
-                      deadline: float | None = None) -> dict[str, Any]:
+                      deadline: float | None = None, tests: tuple[str, ...] = ()) -> dict[str, Any]:
+        """One run (with `tests`: the code_tests harness, `stdin` its token) in a free worker."""
         timeout = min(run_timeout or self.config.sandbox.wall_timeout_s,
                       self.config.max_run_timeout_s)
         memory = None if not memory_mb or memory_mb < 0 else min(memory_mb,
@@ -190,8 +194,12 @@ class SandboxService:
         try:
             self.stats["started"] += 1
             try:
-                run = await self.sandbox.run(code, stdin=stdin, files=files, timeout_s=timeout,
-                                             memory_bytes=memory and memory << 20)
+                if tests:
+                    run = await run_tests(self.sandbox, code, tests, stdin or "", timeout_s=timeout,
+                                          memory_bytes=memory and memory << 20)
+                else:
+                    run = await self.sandbox.run(code, stdin=stdin, files=files, timeout_s=timeout,
+                                                 memory_bytes=memory and memory << 20)
             except SandboxUnavailableError as e:
                 return run_code_body(RunResult(RunStatus.SANDBOX_ERROR, None, "", "", 0.0), str(e))
         finally:
@@ -213,6 +221,15 @@ class SandboxService:
             return await self.execute(code, stdin, files, run_timeout, memory_mb, deadline)
         except ValueError as e:  # a file path outside the working directory
             raise _bad_request(f"run_code: field `files`: {e}")
+
+    async def run_tests(self, body: dict[str, Any], deadline: float | None = None) -> dict[str, Any]:
+        program = field_of(body, "program", _STR, "run_tests", required=True)
+        tests = field_of(body, "tests", ("a list of strings", (list,)), "run_tests", required=True)
+        if not tests or not all(isinstance(t, str) for t in tests):
+            raise _bad_request("run_tests: field `tests`: expected a non-empty list of strings (test statements)")
+        token = field_of(body, "stdin", _STR, "run_tests", required=True)
+        run_timeout, memory_mb = _limits(body, "run_tests")
+        return await self.execute(program, token, {}, run_timeout, memory_mb, deadline, tests=tuple(tests))
 
     async def submit(self, body: dict[str, Any], deadline: float | None = None) -> dict[str, Any]:
         completion = field_of(body, "completion", _STR, "submit", required=True)
@@ -283,6 +300,9 @@ def make_app(config: SandboxServerConfig, sandbox: LocalSandbox | None = None,
     async def submit(request: web.Request) -> web.Response:
         return web.json_response(await service.submit(await json_body(request), deadline_of(request)))
 
+    async def run_tests_route(request: web.Request) -> web.Response:
+        return web.json_response(await service.run_tests(await json_body(request), deadline_of(request)))
+
     async def ping(request: web.Request) -> web.Response:
         return web.Response(text="pong")
 
@@ -291,7 +311,7 @@ def make_app(config: SandboxServerConfig, sandbox: LocalSandbox | None = None,
                                   "workers": config.workers, **service.stats})
 
     app = web.Application(middlewares=[*middlewares, auth])
-    app.add_routes([web.post("/run_code", run_code), web.post("/submit", submit),
+    app.add_routes([web.post("/run_code", run_code), web.post("/submit", submit), web.post("/run_tests", run_tests_route),
                     web.get("/v1/ping", ping), web.get("/v1/info", info)])
     app[SERVICE] = service
     return app

@@ -3,14 +3,16 @@ route named in services/verifiers/harness.py; the same statuses and details loca
 sandbox service; HumanEval-shaped completions (body only, fenced, several blocks)."""
 
 import asyncio
+import os
 import shutil
+import signal
 
 import pytest
 from test_remote_sandbox import client_config, serve
 
 from threepo.services.messages import TaskItem, VerifyRequest, VerifyStatus
 from threepo.services.verifiers.code_verifiers import code_output, code_tests, extract_program, program_of
-from threepo.services.verifiers.harness import harness_program, read_report
+from threepo.services.verifiers.harness import program_source, read_report, run_message, runner_source
 from threepo.services.verifiers.remote import RemoteSandboxVerifier
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
@@ -52,8 +54,9 @@ TAMPERS = [
     ("replaced builtins", fenced(WRONG + "import builtins\nbuiltins.AssertionError = KeyError\n"
                                  "builtins.exec = lambda *a, **k: None\nbuiltins.len = lambda x: 0\n"
                                  "builtins.compile = lambda *a, **k: None\nbuiltins.enumerate = lambda x: []\n"
-                                 "builtins.dict = lambda *a, **k: {}\n"), VerifyStatus.WRONG),
-    ("the report fd closed", fenced(RIGHT + "import os\nfor fd in range(3, 64):\n    try:\n        os.close(fd)\n"
+                                 "builtins.dict = lambda *a, **k: {}\n"),
+     VerifyStatus.RUNTIME_ERROR),  # its process's builtins, the program side's own included: it cannot answer
+    ("its channel to the tests closed", fenced(RIGHT + "import os\nfor fd in range(3, 4096):\n    try:\n        os.close(fd)\n"
                                     "    except OSError:\n        pass\n"), VerifyStatus.RUNTIME_ERROR),
     ("a pass body", "    pass\n", VerifyStatus.WRONG),
     ("the token read again from stdin", fenced(WRONG + "import os, sys\nfor path in ('.stdin', '/proc/self/fd/0'):\n"
@@ -112,9 +115,11 @@ def test_a_report_needs_the_token():
     assert read_report("x\ntok passed 2/2 \n", "tok") == ("passed", 2, 2, "")
     assert read_report("x\nother passed 2/2 \n", "tok") is None
     assert read_report("tok passed two\n", "tok") is None
-    assert "'print(1)'" in harness_program("print(1)", ("assert True",))
-    spliced = "x = \"{tests!r}\"\n"  # a program carrying the template's marker gets it as text, not code
-    assert repr(spliced) in harness_program(spliced, ("assert x == '{tests!r}'",))
+    program_side = program_source("print(1)", (5, 6))
+    assert "'print(1)'" in program_side and "print(1)" not in runner_source(7)  # the tests' process never has it
+    assert b"assert True" in run_message(("assert True",), 1.0, "tok", 1) and "assert True" not in program_side
+    spliced = "x = \"{program!r}\"\n"  # a program carrying the template's marker gets it as text, not code
+    assert repr(spliced) in program_source(spliced, (5, 6))
     r = local(fenced(RIGHT + "x = '{tests!r}' + \"{program!r}\"\n"))
     assert r.status is VerifyStatus.OK
 
@@ -135,3 +140,56 @@ def test_the_sandbox_service_scores_every_route_as_the_local_verifier_does():
     for completion, r in zip(completions, remote):
         mine = local(completion)
         assert (r.status, r.details.split(":")[0]) == (mine.status, mine.details.split(":")[0]), completion
+
+
+def _item(tests: str, entry: str = "f") -> TaskItem:
+    return TaskItem(uid="t", prompt="", answer="", verifier="code_tests", entry_point=entry, tests=(tests, f"check({entry})"))
+
+
+def test_the_tests_get_exceptions_mutations_and_modules_across_the_processes():
+    # a builtin exception raised by the program is that exception in the tests' process (tests may expect it)
+    raises = _item("def check(candidate):\n    try:\n        candidate(-1)\n    except ValueError as e:\n"
+                   "        assert 'negative' in str(e)\n    else:\n        raise AssertionError('no ValueError')\n")
+    program = "def f(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x\n"
+    assert local(fenced(program), raises).status is VerifyStatus.OK
+    r = local(fenced("class Bad(Exception):\n    pass\ndef f(x):\n    raise Bad('no')\n"), raises)
+    assert r.status is VerifyStatus.RUNTIME_ERROR and "ProgramError: Bad: no" in r.details  # not a builtin type
+    # a list the program changes in place is changed in the tests' process too
+    sorts = _item("def check(candidate):\n    xs = [3, 1, 2]\n    assert candidate(xs) is None\n    assert xs == [1, 2, 3]\n")
+    assert local(fenced("def f(xs):\n    xs.sort()\n"), sorts).status is VerifyStatus.OK
+    assert local(fenced("def f(xs):\n    sorted(xs)\n"), sorts).status is VerifyStatus.WRONG
+    # a stdlib module the program imported (HumanEval's prompts do) is the tests' own import of it
+    uses_math = _item("def check(candidate):\n    assert math.sqrt(candidate(16)) == 2.0\n")
+    assert local(fenced("import math\ndef f(x):\n    return math.sqrt(x)\n"), uses_math).status is VerifyStatus.OK
+
+
+def test_what_cannot_cross_fails_the_test_with_its_reason():
+    r = local(fenced("def f(x):\n    return iter([x])\n"), _item("def check(candidate):\n    assert list(candidate(1)) == [1]\n"))
+    assert r.status is VerifyStatus.RUNTIME_ERROR and "not plain data" in r.details and "list_iterator" in r.details
+    r = local(fenced("def f(g):\n    return 1\n"), _item("def check(candidate):\n    assert candidate(lambda: 1) == 1\n"))
+    assert r.status is VerifyStatus.RUNTIME_ERROR and "an argument is not plain data" in r.details
+    r = local(fenced("def f(x):\n    while True:\n        pass\n"), _item("def check(candidate):\n    candidate(1)\n"))
+    assert r.status is VerifyStatus.TIMEOUT and "in a call to f" in r.details
+
+
+def test_the_trusted_runner_is_one_per_sandbox_and_comes_back_after_it_dies():
+    from threepo.services.verifiers.split_run import _RUNNERS
+
+    verifier = code_tests(wall_timeout_s=5.0)
+
+    async def twice():
+        first = await verifier.verify(VerifyRequest(ITEM, fenced(RIGHT)))
+        runner = _RUNNERS[verifier.sandbox]
+        pid = runner.proc.pid
+        os.killpg(pid, signal.SIGKILL)  # the runner's whole sandbox
+        runner.proc.wait()
+        second = await verifier.verify(VerifyRequest(ITEM, fenced(RIGHT)))
+        return first, second, pid, runner.proc.pid
+
+    first, second, before, after = asyncio.run(twice())
+    assert first.status is second.status is VerifyStatus.OK and before != after
+
+
+def test_a_fork_bomb_is_the_programs_failure_not_the_infrastructures():
+    r = local(fenced("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n" + RIGHT))
+    assert r.status in (VerifyStatus.TIMEOUT, VerifyStatus.RUNTIME_ERROR), r.details
