@@ -99,8 +99,7 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, resume_from: str | None = No
         s.roles.posterior.acquire.remote(current)  # the ledger's hold (Ledger.adopt)
         adopt(s, call(s.roles.posterior.version_plan.remote(current)))
     else:
-        first = s.roles.learner.published.remote("start")
-        adopt(s, call(s.roles.posterior.publish.remote(first, True)), first)
+        publish_start(s)
     try:
         while ledger.step < rt.steps or s.learning:
             # 1. admit prompts: each chunk goes to a sampler and, by reference, straight on to a verifier
@@ -143,6 +142,13 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, resume_from: str | None = No
         raise RunStopped(f"stopped at step {ledger.step}: {err}; resume with `threepo train --resume {run_dir}`") from None
     final = call(s.roles.learner.save_hf.remote(os.path.join(run_dir, "final")))
     return write_summary(s, run_dir, final_checkpoint=final)
+
+
+def publish_start(s: Loop) -> None:
+    """Version 0, the learner's start, published with the ledger's hold (in a function of its own: a
+    reference to it held in `run` would keep its weights in the object store for the whole run)."""
+    start = s.roles.learner.published.remote("start")
+    adopt(s, call(s.roles.posterior.publish.remote(start, True)), start)
 
 
 def dispatch(s: Loop, requests: list) -> None:
