@@ -1,11 +1,12 @@
 """The test harness of `code_tests`: the tests run in a trusted process, the program in its own, and
 only plain data crosses between them (services/verifiers/plain_data.py).
 
-`program_source(program, fds)` and `runner_source(sock_fd)` are what `split_run.run_tests` runs
+`program_files(program, fds, python)` and `runner_source(sock_fd)` are what `split_run.run_tests` runs
 (locally and in the sandbox service alike: one harness, one rule), `run_message(...)` what it hands
 the runner for one run:
 
-- **the program's side** (main.py in the sandbox, its own PID namespace): runs the program, tells the
+- **the program's side** (main.py in the sandbox, its own PID namespace; the program itself is
+  program.py beside it, never spliced into the harness's text): runs the program, tells the
   trusted side which top-level names it defined (callables, stdlib modules, plain-data values), then
   serves calls — reads `[name, args, kwargs]` from the request pipe, calls the program's function and
   answers `["return", result, args after, kwargs after]` or `["raise", type name, message, ...]`
@@ -56,8 +57,12 @@ can reach the trusted one: use it only for trusted code. Arguments the tests pas
 
 from __future__ import annotations
 
+import functools
+import marshal
+import os
 import re
 import secrets
+import sys
 from pathlib import Path
 
 from threepo.services.verifiers.plain_data import encode
@@ -68,10 +73,10 @@ _CODEC = Path(__file__).with_name("plain_data.py").read_text()
 
 # The program's side: reads requests on one pipe, writes replies on another (fds filled in).
 _PROGRAM_SIDE = '''\
-def _threepo_program_side(program):
+def _threepo_program_side(program, fds):
     import builtins, marshal, os, sys
     end, exc_info, module, loads = os._exit, sys.exc_info, type(sys), marshal.loads
-    send_frame, receive_frame = _frames({fds!r})
+    send_frame, receive_frame = _frames(fds)
 
     def why():
         kind, value = exc_info()[:2]
@@ -124,8 +129,6 @@ def _threepo_program_side(program):
         else:
             send(["return", result, args, kwargs])
 
-
-_threepo_program_side({program!r})
 '''
 
 # The trusted side of one run: writes requests on fds[0], reads replies on fds[1], reports on fd 1.
@@ -333,16 +336,26 @@ def new_token() -> str:
 
 
 def _fill(template: str, literals: dict[str, str]) -> str:
-    # one pass: a program whose text holds a marker must not have it filled in (that would splice
-    # code into the harness)
-    body = re.sub(r"\{(program|fds|sock)!r\}", lambda m: literals[m.group(1)], template)
+    body = re.sub(r"\{(sock)!r\}", lambda m: literals[m.group(1)], template)
     return _CODEC + "\n\n" + _FRAMES + "\n\n" + body
 
 
-def program_source(program: str, fds: tuple[int, int]) -> str:
-    """The program's side: runs `program`, then serves the trusted side's calls; `fds`: (replies
-    out, requests in) as the program's process has them."""
-    return _fill(_PROGRAM_SIDE, {"program": repr(program), "fds": repr(tuple(fds))})
+def program_files(program: str, fds: tuple[int, int], python: str) -> tuple[str, dict[str, bytes]]:
+    """The program's side as (main.py, the files beside it): runs `program` (program.py), then
+    serves the trusted side's calls; `fds`: (replies out, requests in) as the program's process has
+    them. For the interpreter running this process (`python`, the sandbox's default) the harness
+    goes compiled (harness.bin, marshal: its compile is ~2 ms of each program's start), else as source."""
+    files = {"program.py": program.encode("utf-8")}
+    call = f"_threepo_program_side(open('program.py', encoding='utf-8').read(), {tuple(fds)!r})\n"
+    if os.path.realpath(python) == os.path.realpath(sys.executable):
+        files["harness.bin"] = _compiled_program_side()
+        return "import marshal\nexec(marshal.loads(open('harness.bin', 'rb').read()))\n" + call, files
+    return _fill(_PROGRAM_SIDE, {}) + "\n\n" + call, files
+
+
+@functools.cache
+def _compiled_program_side() -> bytes:
+    return marshal.dumps(compile(_fill(_PROGRAM_SIDE, {}), "harness.py", "exec"))
 
 
 def runner_source(sock_fd: int) -> str:

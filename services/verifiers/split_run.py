@@ -36,7 +36,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from threepo.services.verifiers import sandbox as sb
-from threepo.services.verifiers.harness import program_source, run_message, runner_source
+from threepo.services.verifiers.harness import program_files, run_message, runner_source
 from threepo.services.verifiers.pipes import exited, read_all
 
 _TRUSTED_MARGIN_S = 0.5  # the trusted side's own deadline comes this much before the run's
@@ -216,7 +216,7 @@ async def _execute(box: sb.LocalSandbox, runner: TrustedRunner, cfg: sb.SandboxC
         if await drains[0].first_byte(cfg.wall_timeout_s) != b"1":
             return sb.RunResult(sb.RunStatus.SANDBOX_ERROR, None, "", "the tests' process did not start",
                                 time.monotonic() - start)
-        box._populate(workdir, program_source(program, (replies_w, requests_r)), {}, cfg)
+        box._populate(workdir, *program_files(program, (replies_w, requests_r), cfg.python), cfg)
         argv, cwd = ((sb._bwrap_argv(cfg, workdir, started_w), None) if cfg.isolation == "bwrap"
                      else (sb._python_argv(cfg.python, started_w), workdir))
         proc = subprocess.Popen(argv, cwd=cwd, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

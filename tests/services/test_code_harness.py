@@ -6,13 +6,14 @@ import asyncio
 import os
 import shutil
 import signal
+import sys
 
 import pytest
 from test_remote_sandbox import client_config, serve
 
 from threepo.services.messages import TaskItem, VerifyRequest, VerifyStatus
 from threepo.services.verifiers.code_verifiers import code_output, code_tests, extract_program, program_of
-from threepo.services.verifiers.harness import program_source, read_report, run_message, runner_source
+from threepo.services.verifiers.harness import program_files, read_report, run_message, runner_source
 from threepo.services.verifiers.remote import RemoteSandboxVerifier
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
@@ -115,11 +116,13 @@ def test_a_report_needs_the_token():
     assert read_report("x\ntok passed 2/2 \n", "tok") == ("passed", 2, 2, "")
     assert read_report("x\nother passed 2/2 \n", "tok") is None
     assert read_report("tok passed two\n", "tok") is None
-    program_side = program_source("print(1)", (5, 6))
-    assert "'print(1)'" in program_side and "print(1)" not in runner_source(7)  # the tests' process never has it
-    assert b"assert True" in run_message(("assert True",), 1.0, "tok", 1) and "assert True" not in program_side
-    spliced = "x = \"{program!r}\"\n"  # a program carrying the template's marker gets it as text, not code
-    assert repr(spliced) in program_source(spliced, (5, 6))
+    main, files = program_files("print(1)", (5, 6), "/nonexistent/python3")  # another interpreter: source
+    assert files["program.py"] == b"print(1)" and "print(1)" not in main and "_threepo_program_side" in main
+    assert "print(1)" not in runner_source(7)  # the tests' process never has the program
+    assert b"assert True" in run_message(("assert True",), 1.0, "tok", 1)
+    assert "assert True" not in main  # nor the program's process the tests
+    main, files = program_files("print(1)", (5, 6), sys.executable)  # this interpreter: compiled
+    assert "harness.bin" in files and len(main.splitlines()) == 3
     r = local(fenced(RIGHT + "x = '{tests!r}' + \"{program!r}\"\n"))
     assert r.status is VerifyStatus.OK
 
