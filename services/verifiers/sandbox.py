@@ -162,6 +162,13 @@ def _bwrap_argv(cfg: SandboxConfig, workdir: str, started_fd: int, backstop: boo
     return argv + _python_argv(exe, started_fd)
 
 
+def launch_argv(cfg: SandboxConfig, workdir: str, started_fd: int, backstop: bool = True) -> tuple[list[str], str | None]:
+    """(argv, cwd) that runs `workdir`/main.py under `cfg`'s isolation (`backstop`: see `_bwrap_argv`)."""
+    if cfg.isolation == "bwrap":
+        return _bwrap_argv(cfg, workdir, started_fd, backstop), None
+    return _python_argv(cfg.python, started_fd), workdir
+
+
 def _python_argv(python: str, started_fd: int) -> list[str]:
     """The interpreter running main.py, after writing one byte to `started_fd` and closing it.
 
@@ -299,10 +306,7 @@ class LocalSandbox:
 
     async def _execute(self, cfg: SandboxConfig, workdir: str, stdin_text: str | None) -> RunResult:
         started_r, started_w = os.pipe()
-        if cfg.isolation == "bwrap":
-            argv, cwd = _bwrap_argv(cfg, workdir, started_w), None
-        else:
-            argv, cwd = _python_argv(cfg.python, started_w), workdir
+        argv, cwd = launch_argv(cfg, workdir, started_w)
         start = time.monotonic()
         # A plain Popen, not asyncio's: its cancellation path kills bwrap alone, which can strand
         # a half-built sandbox PID 1 holding our pipes. Here every exit path kills the group.

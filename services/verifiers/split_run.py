@@ -66,10 +66,7 @@ class TrustedRunner:
         started_r, started_w = os.pipe()
         try:
             self.box._populate(self.directory, runner_source(theirs.fileno()), {}, cfg)
-            if cfg.isolation == "bwrap":
-                argv, cwd = sb._bwrap_argv(cfg, self.directory, started_w, backstop=False), None
-            else:
-                argv, cwd = sb._python_argv(cfg.python, started_w), self.directory
+            argv, cwd = sb.launch_argv(cfg, self.directory, started_w, backstop=False)
             self.proc = subprocess.Popen(argv, cwd=cwd, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                          stderr=subprocess.PIPE, start_new_session=True,
                                          pass_fds=(started_w, theirs.fileno()),
@@ -217,8 +214,7 @@ async def _execute(box: sb.LocalSandbox, runner: TrustedRunner, cfg: sb.SandboxC
             return sb.RunResult(sb.RunStatus.SANDBOX_ERROR, None, "", "the tests' process did not start",
                                 time.monotonic() - start)
         box._populate(workdir, *program_files(program, (replies_w, requests_r), cfg.python), cfg)
-        argv, cwd = ((sb._bwrap_argv(cfg, workdir, started_w), None) if cfg.isolation == "bwrap"
-                     else (sb._python_argv(cfg.python, started_w), workdir))
+        argv, cwd = sb.launch_argv(cfg, workdir, started_w)
         proc = subprocess.Popen(argv, cwd=cwd, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True,
                                 pass_fds=(started_w, requests_r, replies_w), preexec_fn=lambda: sb._set_limits(cfg))
