@@ -173,7 +173,7 @@ def prepare(request: VerifyRequest, with_tests: bool) -> tuple[Prepared | None, 
     if not with_tests:
         return Prepared(program, expected=item.answer), None
     token = new_token()
-    return Prepared(program, stdin=token, token=token, tests=tuple(item.tests)), None
+    return Prepared(program, token=token, tests=tuple(item.tests)), None
 
 
 class LocalCodeVerifier:
