@@ -1,0 +1,148 @@
+"""The report of benchmarks/noise_study.py: per arm pair the paired differences with 95% intervals,
+the task and tuning records, and the figure (training reward and zero-advantage groups with bands over
+seeds; held-out pass@k against k with 95% bands). Reads the study's records; runs no model."""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+import paired
+
+# (key, label, from the per-problem counts: how to compute it) of each compared figure
+FIGURES = (("greedy_pass1", "greedy pass@1", True), ("pass1", "pass@1 (T)", True), ("pass16", "pass@16", True),
+           ("zero_adv_frac", "zero-advantage groups (train)", False), ("rescued", "dead groups rescued", False),
+           ("malformed_rate", "malformed (train)", False))
+
+
+def figure_of(run: dict, key: str) -> float:
+    """One run's value of a compared figure."""
+    if key == "greedy_pass1":
+        return run["greedy"]["pass1"]
+    if key in ("pass1", "pass16"):
+        return passk(run["sampled"], 1 if key == "pass1" else 16)
+    if key == "rescued":
+        return run["rescued_dead"] / run["retried_dead"] if run["retried_dead"] else float("nan")
+    return run[key]
+
+
+def passk(sampled: dict, k: int) -> float:
+    k = min(k, sampled["samples"])
+    return statistics.fmean(paired.pass_at_k(sampled["samples"], c, k) for c in sampled["correct"])
+
+
+def counts_statistic(key: str, samples: int):
+    """The statistic of per-problem counts that `key` is (for the bootstrap over problems)."""
+    k = 1 if key in ("greedy_pass1", "pass1") else 16
+    n = 1 if key == "greedy_pass1" else samples
+    return lambda counts: statistics.fmean(paired.pass_at_k(n, c, min(k, n)) for c in counts)
+
+
+def comparisons(runs: list[dict], pairs) -> list[dict]:
+    """Per (arm A, arm B, figure): the seeds both arms ran, the mean paired difference A − B, its t-interval
+    over seeds and, for held-out figures, the bootstrap interval over seeds and problems."""
+    by = {(r["arm"], r["seed"]): r for r in runs}
+    out = []
+    for a, b in pairs:
+        seeds = sorted(s for (arm, s) in by if arm == a and (b, s) in by)
+        if not seeds:
+            continue
+        for key, label, from_counts in FIGURES:
+            diffs = [figure_of(by[(a, s)], key) - figure_of(by[(b, s)], key) for s in seeds]
+            diffs = [d for d in diffs if d == d]
+            if not diffs:
+                continue
+            row = {"a": a, "b": b, "figure": label, "seeds": len(diffs), "t": paired.t_interval(diffs)}
+            if from_counts:
+                part = "greedy" if key == "greedy_pass1" else "sampled"
+                samples = by[(a, seeds[0])]["sampled"]["samples"]
+                row["bootstrap"] = paired.bootstrap_interval([by[(a, s)][part]["correct"] for s in seeds],
+                                                             [by[(b, s)][part]["correct"] for s in seeds],
+                                                             counts_statistic(key, samples))
+            out.append(row)
+    return out
+
+
+def _interval(t: tuple[float, float, float]) -> str:
+    return f"{t[0]:+.3f} [{t[1]:+.3f}, {t[2]:+.3f}]"
+
+
+def markdown(runs: list[dict], tasks: list[dict], tuning: list[dict], rows: list[dict], band: float) -> str:
+    lines = ["**Task candidates** (start checkpoint; zero-advantage: chance a group of G samples is all right or all wrong)", "",
+             "| candidate | pass@1 (T) | greedy pass@1 | zero-advantage groups | truncated | malformed |", "|---" * 6 + "|"]
+    lines += [f"| d{t['difficulty']}, {t['limit']} tokens{', ' + repr(t['instruction']) if t.get('instruction') else ''} | {t['sampled']['pass1']:.3f} | {t['greedy']['pass1']:.3f} | "
+              f"{t['zero_adv_chance']:.2f} (G={t['group']}) | {t['sampled']['truncated']:.3f} | {t['sampled']['malformed']:.3f} |"
+              for t in tasks]
+    reference = next((r["weight_move"] for r in tuning if r["arm"] == "grpo"), float("nan"))
+    lines += ["", f"**Tuning** (seed {tuning[0]['seed'] if tuning else '-'}; matched: within ±{band:.0%} of grpo's movement)", "",
+              "| arm | optim.lr | ‖θ_T − θ_0‖ / ‖θ_0‖ | × grpo's | chosen |", "|---" * 5 + "|"]
+    last = {r["arm"]: i for i, r in enumerate(tuning)}  # an arm's setting is its last tuning run's
+    lines += [f"| {r['arm']} | {r['lr']:g} | {r['weight_move']:.3e} | {r['weight_move'] / reference if reference else float('nan'):.2f} | "
+              f"{'yes' if last[r['arm']] == i else ''} |" for i, r in enumerate(tuning)]
+    arms = list(dict.fromkeys(r["arm"] for r in runs))
+    lines += ["", "**Runs** (mean ± std over seeds)", "",
+              "| arm | seeds | greedy pass@1 | pass@1 | pass@16 | zero-adv groups | dead rescued | malformed (train) | movement |",
+              "|---" * 9 + "|"]
+    for arm in arms:
+        mine = [r for r in runs if r["arm"] == arm]
+        cells = []
+        for key, _, _ in FIGURES:
+            values = [v for v in (figure_of(r, key) for r in mine) if v == v]
+            cells.append(f"{statistics.fmean(values):.3f} ± {statistics.stdev(values) if len(values) > 1 else 0:.3f}"
+                         if values else "—")
+        move = statistics.fmean(r["weight_move"] for r in mine)
+        lines.append(f"| {arm} | {len(mine)} | " + " | ".join(cells) + f" | {move:.2e} |")
+    lines += ["", "**Paired differences A − B** (mean over seeds [95% t-interval over seeds]; held-out figures also "
+              "[95% bootstrap over seeds and problems, 2,000 resamples])", "",
+              "| A − B | figure | seeds | t-interval | bootstrap |", "|---" * 5 + "|"]
+    lines += [f"| {r['a']} − {r['b']} | {r['figure']} | {r['seeds']} | {_interval(r['t'])} | "
+              f"{_interval(r['bootstrap']) if 'bootstrap' in r else '—'} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[dict], path: str) -> None:
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(15, 4), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, 3)
+    arms = list(dict.fromkeys(r["arm"] for r in runs))
+    for ax, key, title in ((axes[0], "reward_mean", "training reward"), (axes[1], "zero_adv_frac", "zero-advantage groups")):
+        for arm in arms:
+            curves = [r["curves"][key] for r in runs if r["arm"] == arm]
+            n = min(map(len, curves))
+            data = np.array([c[:n] for c in curves])
+            mean, std = data.mean(0), data.std(0)
+            (line,) = ax.plot(np.arange(1, n + 1), mean, label=arm)
+            ax.fill_between(np.arange(1, n + 1), mean - std, mean + std, color=line.get_color(), alpha=0.2)
+        ax.set_title(f"{title} (mean ± std over seeds)", fontsize="small")
+        ax.set_xlabel("step")
+    axes[0].legend(fontsize="x-small")
+    ax = axes[2]
+    for arm in arms:
+        mine = [r["sampled"] for r in runs if r["arm"] == arm]
+        ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= mine[0]["samples"]]
+        per_seed = np.array([[passk(s, k) for k in ks] for s in mine])
+        mean = per_seed.mean(0)
+        half = (paired.t975(len(mine) - 1) * per_seed.std(0, ddof=1) / np.sqrt(len(mine))) if len(mine) > 1 else 0 * mean
+        (line,) = ax.plot(ks, mean, marker="o", label=arm)
+        ax.fill_between(ks, mean - half, mean + half, color=line.get_color(), alpha=0.2)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("k")
+    ax.set_title("held-out pass@k (95% t-band over seeds)", fontsize="small")
+    ax.legend(fontsize="x-small")
+    figure.savefig(path, dpi=110)
+
+
+def write_report(out: str, runs: list[dict], tasks: list[dict], tuning: list[dict], pairs, band: float) -> None:
+    rows = comparisons(runs, pairs) if runs else []
+    text = markdown(runs, tasks, tuning, rows, band)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(text)
+    print(text)
+    if runs:
+        plot(runs, os.path.join(out, "figure.png"))
+    print(f"report: {os.path.join(out, 'report.md')}" + (f", {os.path.join(out, 'figure.png')}" if runs else ""))
