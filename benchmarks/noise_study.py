@@ -77,6 +77,13 @@ def settings(args) -> list[str]:
             *held_out]
 
 
+def study_key(args) -> dict:
+    """What a tuning or study run's figures depend on besides its arm, seed and step size: runs are
+    reused (resumed, or their step size taken) only at the same key."""
+    return {"difficulty": args.difficulty, "limit": args.limit, "instruction": args.instruction,
+            "steps": args.steps, "items": args.items, "samples": args.samples, "quick": args.quick}
+
+
 def problems(args, difficulty: int) -> str:
     from threepo.services.word_problems import write_gsm8k
 
@@ -172,7 +179,8 @@ def one_run(arm: str, seed: int, lr: float, checkpoint: str, args, phase: str) -
     run = _common.train_run(checkpoint, overrides, f"{phase} {arm} s{seed} lr {lr:g}", recipe=recipe, runs_dir=runs_dir)
     final, rows = run["summary"]["final_checkpoint"], [r for r in run["rows"] if "reward_mean" in r]
     s = run["summary"]
-    out = {"arm": arm, "seed": seed, "lr": lr, "recipe": recipe, "overrides": overrides, "commit": commit(),
+    out = {"arm": arm, "seed": seed, "lr": lr, "key": study_key(args), "recipe": recipe, "overrides": overrides,
+           "commit": commit(),
            "steps": len(rows), "weight_move": weight_move(checkpoint, final),
            "zero_adv_frac": statistics.fmean(r["zero_adv_frac"] for r in rows),
            "malformed_rate": statistics.fmean(r["malformed_rate"] for r in rows),
@@ -187,14 +195,19 @@ def one_run(arm: str, seed: int, lr: float, checkpoint: str, args, phase: str) -
     return out
 
 
+def matching(args, path: str) -> list[dict]:
+    """The records in `path` made at this study's key."""
+    return [r for r in records(path) if r.get("key") == study_key(args)]
+
+
 def tuned(args) -> dict[str, float]:
-    """Each arm's step size: its last tuning run's."""
-    return {r["arm"]: r["lr"] for r in records(os.path.join(args.out, "tuning.jsonl"))}
+    """Each arm's step size: its last tuning run's at this study's key."""
+    return {r["arm"]: r["lr"] for r in matching(args, os.path.join(args.out, "tuning.jsonl"))}
 
 
 def tune_phase(args, checkpoint: str) -> None:
     path = os.path.join(args.out, "tuning.jsonl")
-    runs_of = lambda arm: [r for r in records(path) if r["arm"] == arm]  # noqa: E731
+    runs_of = lambda arm: [r for r in matching(args, path) if r["arm"] == arm]  # noqa: E731
     if not runs_of(REFERENCE):
         append(path, one_run(REFERENCE, args.tune_seed, default_lr(REFERENCE, checkpoint, args), checkpoint, args, "tune"))
     target = runs_of(REFERENCE)[-1]["weight_move"]
@@ -219,7 +232,7 @@ def study_phase(args, checkpoint: str) -> None:
     untuned = [a for a in args.arms if a not in lrs]
     if untuned:
         raise SystemExit(f"noise_study: arms {untuned} have no tuning run in {args.out}/tuning.jsonl: run --phase tune first")
-    done = {(r["arm"], r["seed"], r["lr"]) for r in records(path)}
+    done = {(r["arm"], r["seed"], r["lr"]) for r in matching(args, path)}
     todo = [(arm, seed) for seed in range(args.seeds) for arm in args.arms if (arm, seed, lrs[arm]) not in done]
     started = time.monotonic()
     for i, (arm, seed) in enumerate(todo):
@@ -231,8 +244,8 @@ def study_phase(args, checkpoint: str) -> None:
 def report_phase(args) -> None:
     from noise_study_report import write_report
 
-    write_report(args.out, records(os.path.join(args.out, "runs.jsonl")), records(os.path.join(args.out, "task.jsonl")),
-                 records(os.path.join(args.out, "tuning.jsonl")), PAIRS, MOVE_BAND)
+    write_report(args.out, matching(args, os.path.join(args.out, "runs.jsonl")), records(os.path.join(args.out, "task.jsonl")),
+                 matching(args, os.path.join(args.out, "tuning.jsonl")), PAIRS, MOVE_BAND)
 
 
 def main() -> None:
@@ -242,9 +255,9 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=5, help="study seeds 0..N-1, paired across arms")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--difficulty", type=int, default=2, help="the study's word problems (services/word_problems.py)")
-    p.add_argument("--limit", type=int, default=64, help="sampler.max_new_tokens of the study's runs")
+    p.add_argument("--limit", type=int, default=96, help="sampler.max_new_tokens of the study's runs")
     p.add_argument("--instruction", default=BRIEF, help="prompt.instruction of the study's runs ('' = none)")
-    p.add_argument("--candidates", nargs="+", default=["1:64", "2:64"], help="task phase: difficulty:limit")
+    p.add_argument("--candidates", nargs="+", default=["1:64", "2:64", "2:96"], help="task phase: difficulty:limit")
     p.add_argument("--items", type=int, default=128, help="held-out problems")
     p.add_argument("--samples", type=int, default=16, help="held-out samples per problem at T (and one greedy)")
     p.add_argument("--group", type=int, default=8, help="the group size the task phase's zero-advantage chance is for")
