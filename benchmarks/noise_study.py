@@ -48,6 +48,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import _common
@@ -72,9 +73,9 @@ def settings(args) -> list[str]:
     if args.quick:  # the embedded task on a tiny model: the pipeline, not the figures
         return ["runtime.prompts_per_step=2", "algo.group_size=4", "sampler.max_new_tokens=8",
                 f"runtime.steps={args.steps}", "algo.readmit_fraction=0.25", *held_out]
-    return [*REAL_SIZES, *LAST_NUMBER, f"prompt.instruction={args.instruction}", f"data.path={problems(args, args.difficulty)}",
-            f"sampler.max_new_tokens={args.limit}", f"runtime.steps={args.steps}", "algo.readmit_fraction=0.25",
-            *held_out]
+    return [*REAL_SIZES, *LAST_NUMBER, f"prompt.instruction={args.instruction}",
+            f"data.path={problems(args, args.difficulty)}", f"sampler.max_new_tokens={args.limit}",
+            f"runtime.steps={args.steps}", "algo.readmit_fraction=0.25", *held_out]
 
 
 def study_key(args) -> dict:
@@ -94,7 +95,7 @@ def problems(args, difficulty: int) -> str:
 
 def model(args) -> str:
     if args.quick:
-        return _common.save_tiny(__import__("tempfile").mkdtemp(prefix="threepo-noise-study-"))
+        return _common.save_tiny(tempfile.mkdtemp(prefix="threepo-noise-study-"))
     from threepo.services.modeling import smollm2_checkpoint
 
     return smollm2_checkpoint(os.environ.get("THREEPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "threepo"))
@@ -132,7 +133,8 @@ def evaluate(cfg, path: str, label: str, greedy: bool) -> dict:
     if greedy:
         cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, samples_per_item=1, k=1, temperature=0.0))
     # evaluated in the dtype the samplers served in training (bf16 on the real model: ~2x fp32 here)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=cfg.sampler.dtype.replace("auto", cfg.model.dtype)))
+    served = cfg.model.dtype if cfg.sampler.dtype == "auto" else cfg.sampler.dtype
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=served))
     report = evaluate_policy(cfg, path, label=label)
     return {"pass1": report.pass_at_1, "malformed": report.malformed_rate, "truncated": report.truncated_rate,
             "samples": report.samples_per_item, "correct": list(report.correct)}
@@ -151,8 +153,9 @@ def task_phase(args, checkpoint: str) -> None:
         sampled, greedy = (evaluate(cfg, checkpoint, f"start {candidate}", g) for g in (False, True))
         zero = statistics.fmean(paired.zero_advantage_chance(sampled["samples"], c, args.group)
                                 for c in sampled["correct"])
-        append(path, {"candidate": candidate, "instruction": args.instruction, "difficulty": difficulty, "limit": limit, "sampled": sampled,
-                      "greedy": greedy, "zero_adv_chance": zero, "group": args.group, "commit": commit()})
+        append(path, {"candidate": candidate, "instruction": args.instruction, "difficulty": difficulty, "limit": limit,
+                      "sampled": sampled, "greedy": greedy, "zero_adv_chance": zero, "group": args.group,
+                      "commit": commit()})
         print(f"[task] d{difficulty} limit {limit}: pass@1 {sampled['pass1']:.3f} (greedy {greedy['pass1']:.3f}), "
               f"zero-advantage groups of {args.group} {zero:.2f}, truncated {sampled['truncated']:.3f}", flush=True)
 
@@ -231,7 +234,15 @@ def study_phase(args, checkpoint: str) -> None:
     path, lrs = os.path.join(args.out, "runs.jsonl"), tuned(args)
     untuned = [a for a in args.arms if a not in lrs]
     if untuned:
-        raise SystemExit(f"noise_study: arms {untuned} have no tuning run in {args.out}/tuning.jsonl: run --phase tune first")
+        raise SystemExit(f"noise_study: arms {untuned} have no tuning run at these settings ({study_key(args)}) in "
+                         f"{args.out}/tuning.jsonl: run --phase tune first")
+    tuning = matching(args, os.path.join(args.out, "tuning.jsonl"))
+    target = [r for r in tuning if r["arm"] == REFERENCE][-1]["weight_move"]
+    for arm in args.arms:
+        move = [r for r in tuning if r["arm"] == arm][-1]["weight_move"]
+        if target > 0 and abs(move / target - 1) > MOVE_BAND:
+            print(f"[study] {arm}: its step size moved {move / target:.2f}x the reference's in tuning (not matched: "
+                  f"more --tune-rounds would tune it further)", flush=True)
     done = {(r["arm"], r["seed"], r["lr"]) for r in matching(args, path)}
     todo = [(arm, seed) for seed in range(args.seeds) for arm in args.arms if (arm, seed, lrs[arm]) not in done]
     started = time.monotonic()
@@ -245,7 +256,7 @@ def report_phase(args) -> None:
     from noise_study_report import write_report
 
     write_report(args.out, matching(args, os.path.join(args.out, "runs.jsonl")), records(os.path.join(args.out, "task.jsonl")),
-                 matching(args, os.path.join(args.out, "tuning.jsonl")), PAIRS, MOVE_BAND)
+                 matching(args, os.path.join(args.out, "tuning.jsonl")), PAIRS, REFERENCE, MOVE_BAND)
 
 
 def main() -> None:

@@ -67,23 +67,36 @@ def _interval(t: tuple[float, float, float]) -> str:
     return f"{t[0]:+.3f} [{t[1]:+.3f}, {t[2]:+.3f}]"
 
 
-def markdown(runs: list[dict], tasks: list[dict], tuning: list[dict], rows: list[dict], band: float) -> str:
-    lines = ["**Task candidates** (start checkpoint; zero-advantage: chance a group of G samples is all right or all wrong)", "",
-             "| candidate | pass@1 (T) | greedy pass@1 | zero-advantage groups | truncated | malformed |", "|---" * 6 + "|"]
-    lines += [f"| d{t['difficulty']}, {t['limit']} tokens{', ' + repr(t['instruction']) if t.get('instruction') else ''} | {t['sampled']['pass1']:.3f} | {t['greedy']['pass1']:.3f} | "
-              f"{t['zero_adv_chance']:.2f} (G={t['group']}) | {t['sampled']['truncated']:.3f} | {t['sampled']['malformed']:.3f} |"
-              for t in tasks]
-    reference = next((r["weight_move"] for r in tuning if r["arm"] == "grpo"), float("nan"))
-    lines += ["", f"**Tuning** (seed {tuning[0]['seed'] if tuning else '-'}; matched: within ±{band:.0%} of grpo's movement)", "",
-              "| arm | optim.lr | ‖θ_T − θ_0‖ / ‖θ_0‖ | × grpo's | chosen |", "|---" * 5 + "|"]
+def task_table(tasks: list[dict]) -> list[str]:
+    lines = ["**Task candidates** (the start checkpoint; zero-advantage: the chance that a group of G of a problem's "
+             "samples is all right or all wrong)", "",
+             "| candidate | instruction | pass@1 (T) | greedy pass@1 | zero-advantage groups | truncated | malformed |",
+             "|---" * 7 + "|"]
+    for t in tasks:
+        sampled = t["sampled"]
+        lines.append(f"| d{t['difficulty']}, {t['limit']} tokens | {t['instruction'] or 'none'} | {sampled['pass1']:.3f} | "
+                     f"{t['greedy']['pass1']:.3f} | {t['zero_adv_chance']:.2f} (G={t['group']}) | "
+                     f"{sampled['truncated']:.3f} | {sampled['malformed']:.3f} |")
+    return lines
+
+
+def tuning_table(tuning: list[dict], reference: str, band: float) -> list[str]:
+    target = next((r["weight_move"] for r in tuning if r["arm"] == reference), 0.0)
     last = {r["arm"]: i for i, r in enumerate(tuning)}  # an arm's setting is its last tuning run's
-    lines += [f"| {r['arm']} | {r['lr']:g} | {r['weight_move']:.3e} | {r['weight_move'] / reference if reference else float('nan'):.2f} | "
-              f"{'yes' if last[r['arm']] == i else ''} |" for i, r in enumerate(tuning)]
-    arms = list(dict.fromkeys(r["arm"] for r in runs))
-    lines += ["", "**Runs** (mean ± std over seeds)", "",
-              "| arm | seeds | greedy pass@1 | pass@1 | pass@16 | zero-adv groups | dead rescued | malformed (train) | movement |",
-              "|---" * 9 + "|"]
-    for arm in arms:
+    lines = [f"**Tuning** (seed {tuning[0]['seed'] if tuning else '-'}; matched: within ±{band:.0%} of "
+             f"{reference}'s movement)", "", f"| arm | optim.lr | ‖θ_T − θ_0‖ / ‖θ_0‖ | × {reference}'s | chosen |",
+             "|---" * 5 + "|"]
+    for i, r in enumerate(tuning):
+        ratio = f"{r['weight_move'] / target:.2f}" if target else "—"
+        lines.append(f"| {r['arm']} | {r['lr']:g} | {r['weight_move']:.3e} | {ratio} | {'yes' if last[r['arm']] == i else ''} |")
+    return lines
+
+
+def runs_table(runs: list[dict]) -> list[str]:
+    lines = ["**Runs** (mean ± std over seeds)", "",
+             "| arm | seeds | greedy pass@1 | pass@1 | pass@16 | zero-adv groups | dead rescued | malformed (train) "
+             "| movement |", "|---" * 9 + "|"]
+    for arm in dict.fromkeys(r["arm"] for r in runs):
         mine = [r for r in runs if r["arm"] == arm]
         cells = []
         for key, _, _ in FIGURES:
@@ -92,12 +105,16 @@ def markdown(runs: list[dict], tasks: list[dict], tuning: list[dict], rows: list
                          if values else "—")
         move = statistics.fmean(r["weight_move"] for r in mine)
         lines.append(f"| {arm} | {len(mine)} | " + " | ".join(cells) + f" | {move:.2e} |")
-    lines += ["", "**Paired differences A − B** (mean over seeds [95% t-interval over seeds]; held-out figures also "
-              "[95% bootstrap over seeds and problems, 2,000 resamples])", "",
-              "| A − B | figure | seeds | t-interval | bootstrap |", "|---" * 5 + "|"]
+    return lines
+
+
+def comparison_table(rows: list[dict]) -> list[str]:
+    lines = ["**Paired differences A − B** (mean over seeds [95% t-interval over seeds]; held-out figures also "
+             "[95% bootstrap over seeds and problems, 2,000 resamples])", "",
+             "| A − B | figure | seeds | t-interval | bootstrap |", "|---" * 5 + "|"]
     lines += [f"| {r['a']} − {r['b']} | {r['figure']} | {r['seeds']} | {_interval(r['t'])} | "
               f"{_interval(r['bootstrap']) if 'bootstrap' in r else '—'} |" for r in rows]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot(runs: list[dict], path: str) -> None:
@@ -136,9 +153,13 @@ def plot(runs: list[dict], path: str) -> None:
     figure.savefig(path, dpi=110)
 
 
-def write_report(out: str, runs: list[dict], tasks: list[dict], tuning: list[dict], pairs, band: float) -> None:
-    rows = comparisons(runs, pairs) if runs else []
-    text = markdown(runs, tasks, tuning, rows, band)
+def write_report(out: str, runs: list[dict], tasks: list[dict], tuning: list[dict], pairs, reference: str,
+                 band: float) -> None:
+    """report.md (the four tables) and, once there are runs, figure.png in `out`."""
+    parts = [task_table(tasks), tuning_table(tuning, reference, band)]
+    if runs:
+        parts += [runs_table(runs), comparison_table(comparisons(runs, pairs))]
+    text = "\n\n".join("\n".join(part) for part in parts) + "\n"
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(text)

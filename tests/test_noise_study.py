@@ -68,9 +68,13 @@ def test_the_quick_study_runs_every_phase_writes_its_records_and_resumes(tmp_pat
         assert r["lr"] == next(t["lr"] for t in tuning if t["arm"] == r["arm"])
         assert len(r["sampled"]["correct"]) == 4 and r["sampled"]["samples"] == 4 and r["greedy"]["samples"] == 1
         assert r["steps"] == 2 and len(r["curves"]["reward_mean"]) == 2 and r["weight_move"] >= 0
+        assert r["key"] == {**tuning[0]["key"], "steps": 2, "quick": True}  # reused only at the same settings
     report = (out / "report.md").read_text()
     assert "| c3po − grpo | pass@1 (T) | 2 |" in report and (out / "figure.png").stat().st_size > 0
     again = subprocess.run([*command, "--phase", "task", "tune", "study"], capture_output=True, text=True, env=env,
                            timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert (read("task.jsonl"), read("tuning.jsonl"), read("runs.jsonl")) == (task, tuning, runs)  # nothing re-run
+    other = subprocess.run([*command, "--phase", "study", "--steps", "3"], capture_output=True, text=True, env=env,
+                           timeout=300)
+    assert other.returncode != 0 and "no tuning run" in other.stderr  # other settings: tune them first
