@@ -175,7 +175,8 @@ def one_run(arm: str, seed: int, lr: float, checkpoint: str, args, phase: str) -
     from exploration_study import weight_move
 
     recipe, extra = arm_overrides(arm, lr)
-    overrides = [*settings(args), *extra, f"seed={seed}", f"algo.seed={seed}"]
+    # seed s: the prompt order, the exploration's draws and the rollouts' sampling streams (the same in every arm)
+    overrides = [*settings(args), *extra, f"seed={seed}", f"algo.seed={seed}", f"sampler.seed={seed}"]
     runs_dir = os.path.join(args.runs, phase, arm, f"s{seed}")
     os.makedirs(runs_dir, exist_ok=True)
     started = time.monotonic()
