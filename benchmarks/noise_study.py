@@ -282,7 +282,8 @@ def main() -> None:
         given = lambda flag: flag in sys.argv  # noqa: E731  (what the command line names stays)
         args.arms = args.arms if given("--arms") else ["grpo", "c3po"]
         args.seeds = args.seeds if given("--seeds") else 2
-        args.steps, args.items, args.samples, args.group, args.tune_rounds = 2, 4, 4, 4, 2
+        args.steps = args.steps if given("--steps") else 2
+        args.items, args.samples, args.group, args.tune_rounds = 4, 4, 4, 2
         args.candidates = args.candidates if given("--candidates") else ["1:8"]
     args.out = args.out or (OUT + "_quick" if args.quick else OUT)
     args.runs = os.path.join(_common.RESULTS_DIR, "noise_study_runs" + ("_quick" if args.quick else ""))
