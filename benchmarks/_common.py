@@ -304,6 +304,18 @@ def task_prompts(count: int, seed: int = 0) -> list:
     return generate_items(task.family, "train", count, seed=task.seed + seed, difficulty=task.difficulty)
 
 
+def seed_band(ax, curves: list[list[float]], label: str) -> None:
+    """One arm's per-step curves (one per seed, cut to the shortest) on `ax`: their mean over seeds
+    and a band of ±1 std."""
+    import numpy as np
+
+    n = min(map(len, curves))
+    data = np.array([c[:n] for c in curves])
+    mean, std = data.mean(0), data.std(0)
+    (line,) = ax.plot(np.arange(1, n + 1), mean, label=label)
+    ax.fill_between(np.arange(1, n + 1), mean - std, mean + std, color=line.get_color(), alpha=0.2)
+
+
 def table(title: str, headers: list[str], rows: list[list]) -> str:
     """A plain-text table; floats get 3 significant decimals."""
     cells = [[f"{c:.3g}" if isinstance(c, float) and abs(c) < 100 else

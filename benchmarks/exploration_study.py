@@ -339,7 +339,6 @@ def real_targets(table: dict) -> list[str]:
 def plot(results: list[dict], table: dict, path: str, start: dict | None = None) -> None:
     """Per task: training reward and zero-advantage fraction (mean over seeds, band ±1 std, smoothed
     as deploy/report.py smooths), and held-out pass@1 and rescue rate per arm (±1 std)."""
-    import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -355,11 +354,7 @@ def plot(results: list[dict], table: dict, path: str, start: dict | None = None)
             for arm in arms:
                 curves = [r["curves"][key] for r in results if (r["task"], r["arm"]) == (task, arm)]
                 n = min(map(len, curves))
-                half = n // POINTS_PER_HALF_WINDOW
-                data = np.array([smoothed(c[:n], half) for c in curves])
-                mean, std = data.mean(0), data.std(0)
-                (line,) = ax.plot(np.arange(1, n + 1), mean, label=arm)
-                ax.fill_between(np.arange(1, n + 1), mean - std, mean + std, color=line.get_color(), alpha=0.2)
+                _common.seed_band(ax, [smoothed(c[:n], n // POINTS_PER_HALF_WINDOW) for c in curves], arm)
             ax.set_title(f"{task}: {title} (mean ± std over seeds)", fontsize="small")
             ax.set_xlabel("step")
         row[0].legend(fontsize="x-small")

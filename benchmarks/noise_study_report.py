@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import statistics
 
+import _common
 import paired
 
 # (key, label, from the per-problem counts: how to compute it) of each compared figure
@@ -128,12 +129,7 @@ def plot(runs: list[dict], path: str) -> None:
     arms = list(dict.fromkeys(r["arm"] for r in runs))
     for ax, key, title in ((axes[0], "reward_mean", "training reward"), (axes[1], "zero_adv_frac", "zero-advantage groups")):
         for arm in arms:
-            curves = [r["curves"][key] for r in runs if r["arm"] == arm]
-            n = min(map(len, curves))
-            data = np.array([c[:n] for c in curves])
-            mean, std = data.mean(0), data.std(0)
-            (line,) = ax.plot(np.arange(1, n + 1), mean, label=arm)
-            ax.fill_between(np.arange(1, n + 1), mean - std, mean + std, color=line.get_color(), alpha=0.2)
+            _common.seed_band(ax, [r["curves"][key] for r in runs if r["arm"] == arm], arm)
         ax.set_title(f"{title} (mean ± std over seeds)", fontsize="small")
         ax.set_xlabel("step")
     axes[0].legend(fontsize="x-small")
