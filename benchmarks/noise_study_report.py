@@ -28,15 +28,14 @@ def figure_of(run: dict, key: str) -> float:
 
 
 def passk(sampled: dict, k: int) -> float:
-    k = min(k, sampled["samples"])
-    return statistics.fmean(paired.pass_at_k(sampled["samples"], c, k) for c in sampled["correct"])
+    return paired.mean_pass_at_k(sampled["samples"], sampled["correct"], min(k, sampled["samples"]))
 
 
 def counts_statistic(key: str, samples: int):
     """The statistic of per-problem counts that `key` is (for the bootstrap over problems)."""
     k = 1 if key in ("greedy_pass1", "pass1") else 16
     n = 1 if key == "greedy_pass1" else samples
-    return lambda counts: statistics.fmean(paired.pass_at_k(n, c, min(k, n)) for c in counts)
+    return lambda counts: paired.mean_pass_at_k(n, counts, min(k, n))
 
 
 def comparisons(runs: list[dict], pairs) -> list[dict]:

@@ -1,6 +1,6 @@
 """Paired comparisons over seeds for benchmarks/noise_study.py: a t-interval over the seeds' paired
 differences, and a bootstrap over seeds and problems for held-out figures computed from per-problem
-counts. Pure functions of plain lists; nothing here runs a model.
+counts. Functions of plain lists; nothing here runs a model.
 
 Paired: run s of every arm has seed s (the same prompt order, the same held-out problems), so the
 unit of comparison is the seed's difference d_s = X_A,s − X_B,s, not two independent means.
@@ -39,11 +39,12 @@ def t_interval(differences: Sequence[float]) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased pass@k of one problem with c of n samples correct: 1 − C(n−c, k) / C(n, k)."""
-    if not 1 <= k <= n:
-        raise ValueError(f"pass_at_k: expected 1 <= k <= n={n}, got k={k}")
-    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+def mean_pass_at_k(n: int, counts: Sequence[int], k: int) -> float:
+    """pass@k over problems from each problem's count of correct samples out of n (the project's
+    unbiased estimator, algorithms/pass_at_k.py)."""
+    from threepo.algorithms.pass_at_k import pass_at_k
+
+    return float(pass_at_k([n] * len(counts), list(counts), k).mean())
 
 
 def zero_advantage_chance(n: int, c: int, group: int) -> float:

@@ -28,10 +28,10 @@ def test_the_t_interval_is_the_mean_plus_minus_t_times_the_standard_error():
 
 
 def test_pass_at_k_and_the_zero_advantage_chance_follow_their_counting_formulas():
-    assert paired.pass_at_k(16, 0, 4) == 0.0
-    assert paired.pass_at_k(16, 1, 1) == pytest.approx(1 / 16)
-    assert paired.pass_at_k(16, 13, 4) == 1.0  # fewer than 4 wrong: any 4 hold a right one
-    assert paired.pass_at_k(16, 2, 4) == pytest.approx(1 - math.comb(14, 4) / math.comb(16, 4))
+    assert paired.mean_pass_at_k(16, [0], 4) == 0.0
+    assert paired.mean_pass_at_k(16, [1], 1) == pytest.approx(1 / 16)
+    assert paired.mean_pass_at_k(16, [13], 4) == 1.0  # fewer than 4 wrong: any 4 hold a right one
+    assert paired.mean_pass_at_k(16, [2, 0], 4) == pytest.approx((1 - math.comb(14, 4) / math.comb(16, 4)) / 2)
     assert paired.zero_advantage_chance(16, 0, 8) == 1.0 and paired.zero_advantage_chance(16, 16, 8) == 1.0
     assert paired.zero_advantage_chance(16, 1, 8) == pytest.approx(0.5)  # the right one is left out half the time
     assert paired.zero_advantage_chance(16, 8, 8) == pytest.approx(2 / math.comb(16, 8))
