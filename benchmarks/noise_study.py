@@ -209,6 +209,11 @@ def tuned(args) -> dict[str, float]:
     return {r["arm"]: r["lr"] for r in matching(args, os.path.join(args.out, "tuning.jsonl"))}
 
 
+def matched(move: float, target: float) -> bool:
+    """Is a movement within ±MOVE_BAND of the reference's?"""
+    return abs(move / target - 1) <= MOVE_BAND
+
+
 def tune_phase(args, checkpoint: str) -> None:
     path = os.path.join(args.out, "tuning.jsonl")
     runs_of = lambda arm: [r for r in matching(args, path) if r["arm"] == arm]  # noqa: E731
@@ -221,7 +226,7 @@ def tune_phase(args, checkpoint: str) -> None:
     for arm in (a for a in args.arms if a != REFERENCE):
         runs = runs_of(arm)
         rounds = args.tune_rounds if target > 0 else 1
-        while len(runs) < rounds and not (runs and abs(runs[-1]["weight_move"] / target - 1) <= MOVE_BAND):
+        while len(runs) < rounds and not (runs and matched(runs[-1]["weight_move"], target)):
             if runs and not runs[-1]["weight_move"] > 0:
                 print(f"[tune] {arm} did not move at lr {runs[-1]['lr']:g}: no ratio to scale it by", flush=True)
                 break
@@ -241,7 +246,7 @@ def study_phase(args, checkpoint: str) -> None:
     target = [r for r in tuning if r["arm"] == REFERENCE][-1]["weight_move"]
     for arm in args.arms:
         move = [r for r in tuning if r["arm"] == arm][-1]["weight_move"]
-        if target > 0 and abs(move / target - 1) > MOVE_BAND:
+        if target > 0 and not matched(move, target):
             print(f"[study] {arm}: its step size moved {move / target:.2f}x the reference's in tuning (not matched: "
                   f"more --tune-rounds would tune it further)", flush=True)
     done = {(r["arm"], r["seed"], r["lr"]) for r in matching(args, path)}
