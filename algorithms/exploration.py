@@ -1,6 +1,6 @@
 """Exploration plans as data: which perturbed policies serve a posterior version, which rollouts
 form an advantage group, and where the learner takes the gradient (algorithms.md §2.2, §2.3, §2.5;
-architecture.md "Posterior server").
+architecture.md §2.1).
 
 A plan is a frozen `ExplorationPlan` of `Slot`s. Each slot is one policy θ̂ = m + σ ⊙ z(seed): seed
 None is the clean mean (σ = 0). For one prompt, every slot produces `rollouts_per_slot` rollouts;

@@ -278,7 +278,7 @@ class IVON(torch.optim.Optimizer):
     def sigma_points(self, max_points: int) -> tuple[torch.Tensor, float]:
         """An evenly strided subsample of σ over this optimizer's tensors (CPU fp32, at most
         ~`max_points`) and the exact max σ; several shards' are concatenated for `sigma_summary`
-        (σ over all parameters, for logging the runaway-σ hazard: feasibility.md, end)."""
+        (σ over all parameters, for logging the runaway-σ hazard: algorithms.md §1.3)."""
         total = sum(p.numel() for _, p in self._named())
         stride = max(1, math.ceil(total / max(max_points, 1)))
         points, top, group = [], 0.0, self.param_groups[0]

@@ -1,5 +1,5 @@
 """Which weights parameter-space exploration perturbs: a noise mask by parameter name (issue 25;
-param-noise.md).
+algorithms.md §2.6).
 
 Careful implementations do not perturb everything: PSN-RLVR perturbs MLP weights, OpenAI's parameter
 noise leaves normalisation layers clean, EGGROLL never perturbs embeddings. A served slot is

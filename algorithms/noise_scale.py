@@ -1,5 +1,5 @@
 """How far a served slot's policy is from the mean's, and the σ scale that holds it at a target
-(issue 25; param-noise.md "how σ is set").
+(issue 25; algorithms.md §2.6).
 
 A slot serves θ̂ = m + c · σ ⊙ z: IVON's σ gives the noise its shape, the scale c its size. For small
 perturbations the divergence it causes is quadratic in c,

@@ -8,7 +8,7 @@ hash of the seed and the name (blake2b; never Python's per-process `hash`), whic
 independent of parameter order, sharding, process and device. θ̂ is composed of single correctly
 rounded fp32 operations in a fixed order, so it is bit-identical wherever it is built; the first
 draw on each device is checked against `NOISE_SIGNATURE` and a device that differs is refused. The
-clean mean is never recovered by subtracting noise (not bit-exact in fp32, feasibility.md §4):
+clean mean is never recovered by subtracting noise (not bit-exact in fp32, §1.6):
 callers keep m and rebuild θ̂ from it.
 
 How much of θ̂ − m survives serving in a lower precision is here too (`served_noise_ratio`).

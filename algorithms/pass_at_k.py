@@ -1,5 +1,5 @@
 """Unbiased pass@k estimator (Chen et al. 2021, "Evaluating Large Language Models Trained on
-Code", §2.1), vectorised over problems.
+Code", section 2.1), vectorised over problems.
 
 Not here: sampling or scoring; the caller counts, per problem, how many of its n samples passed.
 """

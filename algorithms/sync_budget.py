@@ -1,5 +1,5 @@
 """The sync budget: when the learner publishes a new policy version (algorithms.md §3.7,
-architecture.md "Learner").
+architecture.md §2.4).
 
 After every step the learner measures, on its latest batch, how far the behaviour policy μ (the
 version the samplers serve) is from its current policy: the k3 KL estimate and the Kish ESS

@@ -1,4 +1,4 @@
-"""Exact checks that an engine serves the weights that were published (architecture.md, weight sync).
+"""Exact checks that an engine serves the weights that were published (architecture.md §2.2).
 
 `weights_checksum` (exact, positional): what the learner publishes for the mean and an engine
 recomputes on the mean it received. `value_fingerprint` (exact, layout-invariant): an engine compares

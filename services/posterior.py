@@ -1,5 +1,5 @@
 """The posterior server: published posterior versions, the exploration plan of each, and how long
-each version stays available (architecture.md role 1; algorithms.md §1.6).
+each version stays available (architecture.md §2.1; algorithms.md §1.6).
 
 The learner owns the training state and publishes (m, σ) in fp32 as a new version; the server keeps
 a read-only copy, makes that version's plan (`algorithms.exploration.make_plan`, with the slots' seeds

@@ -1,5 +1,5 @@
-"""The sampler service: one engine, turning rollout requests into tagged completions (architecture.md
-role 2).
+"""The sampler service: one engine, turning rollout requests into tagged completions
+(architecture.md §2.2).
 
 A Sampler holds one engine (services/engines/), the prompt encoder of its model (services/prompting.py:
 every prompt reaches the engine as token ids, with the model's stop tokens) and the posterior version it

@@ -1,5 +1,5 @@
 """The verifier pool: scores completions with the verifier each task names, concurrency-limited, and
-retries infrastructure failures (architecture.md role 3).
+retries infrastructure failures (architecture.md §2.3).
 
 Verifiers are built lazily, one per name, by `load_verifier(name, **options)` (or a factory injected
 for tests). `verify_batch` is synchronous so that a synchronous Ray actor can call it on its main

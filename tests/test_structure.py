@@ -1,4 +1,4 @@
-"""Structure rules of style.md §6 and §4.8: algorithms/ is pure, services/ has no Ray, size budgets hold,
+"""Structure rules of style.md §2, §3, §7 and §8: algorithms/ is pure, services/ has no Ray, size budgets hold,
 threepo's import graph (function-level imports included) has no cycle, and only the entry point
 knows deploy/cli.py.
 

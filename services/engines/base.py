@@ -9,7 +9,7 @@ name) in fp32 (`algorithms.param_noise`); it serves the clean mean again by rebu
 (never by subtracting noise). Switching policy happens only between `generate` calls — at a
 request boundary — and never restarts the engine.
 
-The weight check (architecture.md role 2): on `load_version` the engine recomputes the exact
+The weight check (architecture.md §2.2): on `load_version` the engine recomputes the exact
 checksum of the mean it received and refuses it unless it equals the one the learner published;
 after loading a slot it compares a layout-invariant fingerprint of what its backend now holds with
 the tensors it fed it (fusion, padding and re-packing are the backend's business, values are not);

@@ -178,7 +178,7 @@ class AlgoConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     """The optimizer of the learner's training copy. Defaults are tuned for the 0.5M-parameter
-    embedded default (feasibility.md: λ = 1e5, h0 = 0.1 → σ ≈ 0.01, lr 10 rescaled, ξ = 3e-5)."""
+    embedded default (algorithms.md §1.3: λ = 1e5, h0 = 0.1 → σ ≈ 0.01, lr 10 rescaled, ξ = 3e-5)."""
 
     name: Literal["ivon", "adamw"] = "ivon"
     """ivon (a posterior: needed by b3po/m3po/c3po) or adamw (the GRPO baseline)."""
@@ -258,7 +258,7 @@ class LearnerConfig:
     """AdamW only: train the model through a DeepSpeed engine with this ZeRO stage (0-3; 2 shards
     optimizer state and gradients, 3 also the parameters); -1 = without DeepSpeed. IVON does not go
     through DeepSpeed: its perturbation θ̂ = m + σ ⊙ z(seed, name) is per parameter tensor, and
-    ZeRO-1/2/3 hand the optimizer flat partitions instead (feasibility.md, 2026-12-01); its own
+    ZeRO-1/2/3 hand the optimizer flat partitions instead (architecture.md §9); its own
     state is sharded by name here instead. Needs `pip install 'threepo[deepspeed]'`."""
     shared_prefix: bool = True
     """Compute each group's prompt once and run only the completions on its repeated KV cache (the

@@ -6,7 +6,7 @@ The final answer is the content of the last `\\boxed{...}`. What may follow its 
 (`final_boxed`): up to `max_trailing_chars` of text with no digit, no brace and no backslash other
 than the math closers `\\]` and `\\)` — sentence punctuation, `$`, a short remark ("I hope this
 helps."). A second number after the box (hedging: "or maybe 53"), more braces (the `\\boxed{52}{}{}{`
-reward hack of feasibility.md's addendum), a LaTeX command or a long tail is `malformed`.
+reward hack of algorithms.md §6.3), a LaTeX command or a long tail is `malformed`.
 
 Number formats (`normalize_number`), what a grader would accept for the number 1234:
 - thousands separators, the same one throughout and groups of exactly three digits: `1,234`,

@@ -1,6 +1,6 @@
 """Math and countdown verifiers: format rules, then math-verify or exact evaluation.
 
-Format rules, shared by both (feasibility.md addendum: a policy once learnt to emit
+Format rules, shared by both (algorithms.md §6.3: a policy once learnt to emit
 ` \\boxed{52}{}{}{` up to the length limit, which an answer-only reward scores as correct):
 - a truncated completion (`finish_reason == "length"`) is `malformed`: a reward needs a
   well-formed, terminated completion;

@@ -11,7 +11,7 @@ tests, stdin, run_timeout, memory_limit_MB}` and runs the code_tests harness's t
 `run_result.stdout`. A service without it (SandboxFusion itself) answers 404: code_tests items need
 threepo's service, code_output items run on either.
 
-How it calls (operations.md §3.4, §7 item 6):
+How it calls (operations.md §3.4, §3.6):
 - every HTTP call holds the injected limiter (`async with limiter:`) while it is on the wire, never
   while it waits; the default is a per-process `asyncio.Semaphore`,
   `threepo.deploy.limiter.ClusterLimiter` is cluster-wide;

@@ -114,7 +114,7 @@ class RemoteEngine:
 def _missing(backend: str) -> str | None:
     module = {"vllm": "vllm", "sglang": "sglang"}.get(backend)
     if module and importlib.util.find_spec(module) is None:
-        return (f"{module} is not installed here" + (" (CUDA-only wheels; feasibility.md)" if module == "sglang"
+        return (f"{module} is not installed here" + (" (CUDA-only wheels; docs/architecture.md §9)" if module == "sglang"
                                                      else " (install: README, 'vLLM engine on CPU')"))
     if backend == "sglang":
         import torch

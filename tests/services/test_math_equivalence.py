@@ -33,7 +33,7 @@ TABLE = [
     # -- ... but not a second answer, more markup, or a long tail
     ("81", "\\boxed{81} or maybe 80", MALFORMED),
     ("81", "\\boxed{81} (or 82)", MALFORMED),
-    ("81", "\\boxed{81}{}{}{", MALFORMED),  # the reward hack of feasibility.md's addendum
+    ("81", "\\boxed{81}{}{}{", MALFORMED),  # the reward hack of algorithms.md §6.3
     ("81", "\\boxed{81}}", MALFORMED),
     ("81", "\\boxed{81} \\text{units}", MALFORMED),
     ("81", "\\boxed{81}" + " and so on" * 8, MALFORMED),

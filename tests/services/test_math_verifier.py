@@ -37,7 +37,7 @@ def score(verifier, task, completion, finish_reason="stop"):
     ("81", "\\boxed{23+58}", WRONG),  # restating the question is not an answer
     ("81", "\\boxed{--81}", WRONG),
     ("81", "81", MALFORMED),
-    ("81", "\\boxed{52}{}{}{", MALFORMED),  # the reward hack of feasibility.md's addendum
+    ("81", "\\boxed{52}{}{}{", MALFORMED),  # the reward hack of algorithms.md §6.3
     ("81", "\\boxed{81} and more", OK),  # short trailing text (test_math_equivalence.py)
     ("81", "\\boxed{81} or 80", MALFORMED),
     ("81", "\\boxed{81", MALFORMED),
