@@ -75,7 +75,7 @@ class Ledger:
         self.explore: deque = deque()  # (prompt index, round, scale, after dead): re-admissions waiting
         self._readmits: Counter = Counter()  # step (admission) -> re-admissions among its prompts
         self._rounds: dict[tuple[int, int], OpenRound] = {}  # (prompt index, round) -> open round
-        self._filtered: list[OpenGroup] = []    # dropped by the dynamic filter, released at the next take
+        self._filtered: list[str] = []    # ids of groups the dynamic filter dropped, released at the next take
         self._arrived_holds: Counter = Counter()  # version -> groups complete since `arrived_holds` was read
         self._dropped_this_step = 0
         self.consumed_rounds: set = set()  # (prompt index, round ≥ 1) all of whose groups were consumed
@@ -85,7 +85,7 @@ class Ledger:
         self.groups: dict[str, OpenGroup] = {}
         self.requests: dict[str, RolloutRequest] = {}  # in flight
         self.reissues: Counter = Counter()
-        self._ready: list = []        # heap of (prompt index, group id): complete groups, oldest first
+        self._ready: list = []        # heap of (admission order, group index, group id): complete groups, oldest first
         self._batch_refs: Counter = Counter()  # batch key -> parts of open groups that point into it
         self._seq: dict[str, list[int]] = {}   # engine incarnation -> [first, last] sequence number seen
         self._seq_seen: Counter = Counter()

@@ -143,7 +143,9 @@ class RunConfig:
     runs_dir: str = "runs"
     """Parent directory of run directories."""
     seed: int = 0
-    """Global seed (data order, plan seeds, sampling)."""
+    """Global seed: the prompt order, the exploration plans' slot seeds and `threepo eval`'s sampling.
+    Training rollouts and the evaluation during training draw from `sampler.seed`, the learner's θ̂′
+    from `algo.seed`."""
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -80,7 +80,7 @@ class Loop:
     log: RunLog
     inflight: dict[object, Event] = field(default_factory=dict)  # ref -> the event its result is
     batches: dict = field(default_factory=dict)    # batch key -> (batch ref, score ref), while a group needs it
-    weights: dict = field(default_factory=dict)    # version -> ref of its (mean, σ, checksum)
+    weights: dict = field(default_factory=dict)    # version -> ref of its PublishedVersion
     learning: list = field(default_factory=list)   # (step, result ref, version ref) in flight, oldest first
     next_key: int = 0
     verifier_turn: int = 0

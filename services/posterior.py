@@ -174,7 +174,7 @@ class PosteriorServer:
     # --- lifetime ---------------------------------------------------------------------------------
 
     def acquire(self, version: int, n: int = 1) -> None:
-        """Keep `version` available for `n` more in-flight rollouts (or requests)."""
+        """Keep `version` available for `n` more holders: the ledger takes one per admitted group."""
         self._get(version)
         if n < 1:
             raise ValueError(f"acquire n: expected >= 1, got {n}")

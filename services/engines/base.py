@@ -156,7 +156,8 @@ class Engine(Protocol):
         device, check the mean against `mean_checksum` (raise WeightsMismatch), serve the mean. Its
         slots draw z of rank `noise_rank` per matrix (0: full noise; `param_noise.perturbed`).
         `lora` = (r, α): m and σ are a LoRA adapter posterior's, served over the base weights the
-        engine loaded (the hf engine; the others raise)."""
+        engine loaded (hf; vLLM and SGLang through their LoRA serving, when started with
+        `adapters`)."""
 
     def serve(self, noise: NoiseSpec) -> ServeReport:
         """Serve θ̂ = m + c · σ ⊙ z(noise.seed), c = noise.scale (seed None: the mean) of the held

@@ -117,6 +117,9 @@ class AlgoConfig:
             raise ValueError(f"algo.n_slots: expected >= 1, got {self.n_slots}")
         if self.exploration in ("grpo", "b3po") and self.n_slots != 1:
             raise ValueError(f"algo.n_slots={self.n_slots}: {self.exploration} uses one slot; set algo.n_slots=1")
+        if not self.equal_compute and self.exploration != "m3po":
+            raise ValueError(f"algo.equal_compute=false: M3PO's unconstrained mode (G rollouts per slot), not "
+                             f"{self.exploration}'s; set algo.exploration=m3po or leave algo.equal_compute=true")
         divides = self.exploration == "c3po" or (self.exploration == "m3po" and self.equal_compute)
         if divides and self.group_size % self.n_slots:
             raise ValueError(f"algo.group_size={self.group_size}: expected a multiple of algo.n_slots="

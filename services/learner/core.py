@@ -25,7 +25,8 @@ time by phase (services/learner/phases.py).
 Every variant is chosen once, in `__init__`: the optimizer (`make_optimizer`), the advantage
 estimator and the policy loss (services/learner/objective.py), what runs around the optimizer step
 (services/learner/around.py: nothing, or VP2O) and the noise control (or none). The step asks them;
-it tests no names.
+it tests no names (where each update takes its gradient comes from the pure
+`exploration.gradient_points`, which reads the exploration kind).
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ def test_bad_values_name_the_key(override, message):
     (["algo.exploration=c3po", "optim.name=adamw"], "set optim.name=ivon"),
     (["algo.vp2o=true"], "set model.kind=moe"),
     (["algo.exploration=b3po"], "b3po uses one slot; set algo.n_slots=1"),
+    (["algo.equal_compute=false"], "algo.equal_compute=false: M3PO's unconstrained mode"),
     (["algo.dead_group_scale=2"], "re-admitted only with algo.readmit_fraction > 0"),
     (["algo.exploration=grpo", "algo.n_slots=1", "optim.name=adamw", "algo.readmit_fraction=0.25",
       "algo.dead_group_scale=2"], "grpo serves the mean"),
