@@ -177,6 +177,11 @@ class RunConfig:
             limit = (MAX_NEW_TOKENS[self.data.format] if self.data.path
                      else max_new_tokens_for(self.task.family, self.task.difficulty))
             object.__setattr__(self, "sampler", dataclasses.replace(self.sampler, max_new_tokens=limit))
+        if self.data.path and self.data.format == "gsm8k" and not any(
+                (verifier, option) == ("math", "answer") for verifier, option, _ in self.verifier.options):
+            # GSM8K's own scoring is its flexible extraction: the last number (a boxed answer still wins)
+            object.__setattr__(self, "verifier", dataclasses.replace(
+                self.verifier, options=(*self.verifier.options, ("math", "answer", "last_number"))))
 
 
 def _check_sampler(sampler: SamplerConfig, runtime: RuntimeConfig) -> None:
@@ -274,7 +279,7 @@ def _check_type(key: str, value: Any, kind: Any) -> Any:
                 return _check_type(key, value, option)
             except ConfigError:
                 continue
-        raise ConfigError(f"{key}: expected {kind}, got {value!r}")
+        raise ConfigError(f"{key}: expected {' or '.join(_describe(option) for option in args)}, got {value!r}")
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
@@ -287,6 +292,12 @@ def _check_type(key: str, value: Any, kind: Any) -> Any:
     if kind in (int, float) and isinstance(value, bool) or not isinstance(value, kind):
         raise ConfigError(f"{key}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
     return value
+
+
+def _describe(kind: Any) -> str:
+    if typing.get_origin(kind) is Literal:
+        return " or ".join(repr(v) for v in typing.get_args(kind))
+    return "none" if kind is type(None) else getattr(kind, "__name__", str(kind))
 
 
 def _parse_value(raw: str) -> Any:

@@ -41,8 +41,8 @@ class EvalConfig:
     """How many items to evaluate."""
     samples_per_item: int = 8
     """Samples drawn per item (n of the unbiased pass@k estimator)."""
-    k: int = 4
-    """The k of pass@k (≤ samples_per_item)."""
+    k: int | Literal["auto"] = "auto"
+    """The k of pass@k (≤ samples_per_item); auto = min(4, samples_per_item)."""
     temperature: float = 1.0
     """Sampling temperature of the evaluation; 0 = greedy decoding."""
     batch_size: int = 256
@@ -58,6 +58,10 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.split not in ("train", "heldout"):
             raise ValueError(f"eval.split: expected 'train' or 'heldout', got {self.split!r}")
+        if self.k == "auto":
+            object.__setattr__(self, "k", min(4, self.samples_per_item))
+        if self.samples_per_item < 1:
+            raise ValueError(f"eval.samples_per_item: expected >= 1, got {self.samples_per_item}")
         if not 1 <= self.k <= self.samples_per_item:
             raise ValueError(f"eval.k={self.k}: expected 1 <= k <= eval.samples_per_item={self.samples_per_item}")
         if self.num_items < 1:

@@ -109,7 +109,8 @@ class VerifierConfig:
     `TaskItem.verifier`, e.g. [["code_output", "remote_sandbox"]]."""
     options: tuple[tuple[str, str, str], ...] = ()
     """Options of built-in or plug-in verifiers as (verifier, option, value), e.g. [["math", "answer",
-    "last_number"]] (GSM8K's flexible extraction for models that do not box answers) or [["math", "mode",
+    "last_number"]] (GSM8K's flexible extraction for models that do not box answers: the default with
+    `data.format=gsm8k`; [["math", "answer", "boxed"]] there keeps the boxed rule) or [["math", "mode",
     "process"]]: string-valued options only (services/verifiers/*.py say which a verifier takes)."""
     endpoints: tuple[str, ...] = ("http://127.0.0.1:8080",)
     """Remote sandbox base URLs (SandboxFusion API), used round-robin."""

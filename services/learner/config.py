@@ -185,18 +185,22 @@ class OptimConfig:
 
     name: Literal["ivon", "adamw"] = "ivon"
     """ivon (a posterior: needed by b3po/m3po/c3po) or adamw (the GRPO baseline)."""
-    lr: float = 10.0
-    """Learning rate (IVON: rescaled by h0 + δ when rescale_lr)."""
+    lr: float | Literal["auto"] = "auto"
+    """Learning rate; auto = the optimizer's own (`OWN_DEFAULTS`: IVON 10, rescaled by h0 + δ when
+    rescale_lr, so α ≈ 1; AdamW 1e-4; both sized for the embedded default). IVON's and AdamW's scales
+    differ by ~1e5: AdamW diverges at IVON's 10."""
     ess: float = 1e5
     """IVON effective sample size λ (weight-space temperature: smaller = more noise)."""
     hess_init: float = 0.1
     """IVON initial Hessian h0."""
     beta1: float = 0.9
     """Momentum coefficient (IVON and AdamW)."""
-    beta2: float = 0.9999
-    """IVON Hessian EMA / AdamW second-moment coefficient."""
-    weight_decay: float = 1e-6
-    """IVON prior precision δ per unit ESS / AdamW decoupled weight decay."""
+    beta2: float | Literal["auto"] = "auto"
+    """IVON's Hessian EMA or AdamW's second-moment coefficient; auto = the optimizer's own (IVON 0.9999,
+    3PO's; AdamW 0.999)."""
+    weight_decay: float | Literal["auto"] = "auto"
+    """IVON's prior precision δ per unit ESS or AdamW's decoupled weight decay; auto = the optimizer's
+    own (IVON 1e-6, 3PO's; AdamW 0)."""
     clip_radius: float = 3e-5
     """IVON elementwise clip ξ of the preconditioned step."""
     rescale_lr: bool = True
@@ -205,11 +209,21 @@ class OptimConfig:
     """AdamW gradient-norm clip (IVON: not applied; see algorithms.md §1.5 item 6)."""
 
     def __post_init__(self) -> None:
+        for name, value in OWN_DEFAULTS[self.name].items():
+            if getattr(self, name) == "auto":
+                object.__setattr__(self, name, value)
         for name in ("lr", "ess", "hess_init", "clip_radius"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"optim.{name}: expected > 0, got {getattr(self, name)}")
         if not (0 <= self.beta1 < 1 and 0 < self.beta2 < 1):
             raise ValueError("optim.beta1, optim.beta2: expected in [0, 1)")
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay: expected >= 0, got {self.weight_decay}")
+
+
+# Each optimizer's own values of the settings whose meaning it gives (`optim.* = "auto"`).
+OWN_DEFAULTS = {"ivon": {"lr": 10.0, "beta2": 0.9999, "weight_decay": 1e-6},
+                "adamw": {"lr": 1e-4, "beta2": 0.999, "weight_decay": 0.0}}
 
 
 @dataclass(frozen=True)

@@ -76,3 +76,30 @@ def test_shipped_recipes_load():
         load_config(name)
     with pytest.raises(ConfigError, match="not a shipped recipe"):
         load_config("no-such-recipe")
+
+
+def test_optimizer_settings_default_to_the_chosen_optimizers_own():
+    ivon, adamw = load_config(None, []).optim, load_config("grpo_baseline", ["optim.lr=auto"]).optim
+    assert (ivon.lr, ivon.beta2, ivon.weight_decay) == (10.0, 0.9999, 1e-6)
+    assert (adamw.lr, adamw.beta2, adamw.weight_decay) == (1e-4, 0.999, 0.0)
+    mine = load_config(None, ["algo.exploration=grpo", "algo.n_slots=1", "optim.name=adamw", "optim.lr=3e-5"]).optim
+    assert (mine.lr, mine.beta2) == (3e-5, 0.999)  # an explicit value wins, the rest stay AdamW's
+    with pytest.raises(ConfigError, match="optim.lr: expected float or 'auto', got 'fast'"):
+        load_config(None, ["optim.lr=fast"])
+
+
+def test_eval_k_follows_samples_per_item_unless_set():
+    assert load_config(None, []).eval.k == 4
+    assert load_config(None, ["eval.samples_per_item=2"]).eval.k == 2
+    assert load_config(None, ["eval.samples_per_item=16", "eval.k=16"]).eval.k == 16
+
+
+def test_gsm8k_files_score_the_last_number_unless_told_otherwise(tmp_path):
+    gsm8k = load_config(None, ["data.path=x.jsonl", "data.format=gsm8k"])
+    assert gsm8k.verifier.options == (("math", "answer", "last_number"),)
+    boxed = load_config(None, ["data.path=x.jsonl", "data.format=gsm8k", 'verifier.options=[["math", "answer", "boxed"]]'])
+    assert boxed.verifier.options == (("math", "answer", "boxed"),)
+    assert load_config(None, ["data.path=x.jsonl"]).verifier.options == ()  # prompt_answer keeps the boxed rule
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(gsm8k))
+    assert load_config(str(path)) == gsm8k
