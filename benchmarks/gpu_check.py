@@ -151,7 +151,8 @@ def part_learner(path: str, device: str, tokens: int) -> dict:
     from threepo.services.engines.base import SamplerConfig
     from threepo.services.engines.hf import HFEngine
     from threepo.services.learner.core import Learner
-    from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig
+    from threepo.services.learner.config import AlgoConfig
+    from threepo.services.learner.optim_config import OptimConfig, SyncConfig
     from workload import sampled_groups, step
 
     engine = HFEngine(path, SamplerConfig(device=device, dtype="bfloat16", batch_size=128, seed=0))

@@ -2,8 +2,9 @@
 what each subcommand does is in deploy/commands.py).
 
 Every subcommand takes `--config RECIPE` (a TOML file or a shipped recipe name) and overrides
-`section.field=value`; `threepo <cmd> --show-config` prints the resolved config and exits. Heavy
-imports happen inside the subcommands so that `threepo --help` stays instant.
+`section.field=value`; `threepo <cmd> --show-config` prints the resolved config with each setting's
+meaning (deploy/settings_doc.py) and exits. Heavy imports happen inside the subcommands so that
+`threepo --help` stays instant.
 
 Errors: a user mistake (`UserInputError`: a config key, a path, a dataset line) is one line naming
 it and what was expected, exit 2, checked before anything heavy is imported or any run directory is
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     ]:
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("--config", default=None, help="recipe: a TOML file or a name in deploy/configs")
-        p.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
+        p.add_argument("--show-config", action="store_true", help="print the resolved config, each setting's meaning above it, and exit")
         p.add_argument("--debug", action="store_true", help="show the traceback of an input error")
         p.add_argument("overrides", nargs="*", help="section.field=value overrides")
         if name == "train":
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     from threepo.deploy.commands import check_inputs, cmd_bootstrap, cmd_eval, cmd_train, policy_path, run_directory
-    from threepo.deploy.config import load_config, to_toml
+    from threepo.deploy.config import load_config
 
     resume_dir = None
     if args.command == "train" and args.resume and "=" in args.resume and not os.path.exists(args.resume):
@@ -77,7 +78,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, args.overrides)
     if args.show_config:
-        print(to_toml(cfg))
+        from threepo.deploy.settings_doc import documented_toml
+
+        print(documented_toml(cfg), end="")
         return 0
     check_inputs(cfg)
     if args.command == "train":

@@ -26,7 +26,8 @@ from threepo.services.engines.base import SamplerConfig
 from threepo.services.errors import UserInputError
 from threepo.services.evaluation import EvalConfig
 from threepo.algorithms.noise_mask import NoiseConfig
-from threepo.services.learner.config import AlgoConfig, LearnerConfig, OptimConfig, SyncConfig, VP2OConfig
+from threepo.services.learner.config import AlgoConfig, LearnerConfig, VP2OConfig
+from threepo.services.learner.optim_config import OptimConfig, SyncConfig
 from threepo.services.lora import LoRAConfig, check_lora
 from threepo.services.modeling import ModelConfig
 from threepo.services.prompting import PromptConfig
@@ -322,22 +323,22 @@ def to_toml(cfg: Any) -> str:
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
-            body = "\n".join(f"{g.name} = {_toml_value(getattr(value, g.name))}"
+            body = "\n".join(f"{g.name} = {toml_value(getattr(value, g.name))}"
                              for g in dataclasses.fields(value))
             tables.append(f"[{f.name}]\n{body}\n")
         else:
-            top.append(f"{f.name} = {_toml_value(value)}")
+            top.append(f"{f.name} = {toml_value(value)}")
     return "\n".join(top) + "\n\n" + "\n".join(tables)
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value) if value == value and abs(value) != float("inf") else (
             "nan" if value != value else ("inf" if value > 0 else "-inf"))
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if value is None:
         raise ConfigError("None cannot be written to TOML: give the field a non-None default")
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -19,7 +19,8 @@ def ivon_lora_learner(path: str, lora, nudge_seed: int | None = None):
     """A C3PO learner (2 slots, no noise control) with IVON over `lora`'s adapters; with `nudge_seed`
     its adapters and IVON's means are moved off B = 0 (`nudge_adapters`), so slots differ in both factors."""
     from threepo.algorithms.noise_mask import NoiseConfig
-    from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig
+    from threepo.services.learner.config import AlgoConfig
+    from threepo.services.learner.optim_config import OptimConfig, SyncConfig
     from threepo.services.learner.core import Learner
 
     learner = Learner(path, AlgoConfig(exploration="c3po", n_slots=2, group_size=8),

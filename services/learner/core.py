@@ -47,7 +47,8 @@ from threepo.algorithms.sync_budget import sync_decision
 from threepo.algorithms.weight_checks import weights_checksum
 from threepo.services.learner.around import make_around
 from threepo.algorithms.noise_mask import NoiseConfig
-from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig, VP2OConfig, has_drift_process
+from threepo.services.learner.config import AlgoConfig, VP2OConfig, has_drift_process
+from threepo.services.learner.optim_config import OptimConfig, SyncConfig
 from threepo.services.learner.optimizers import make_optimizer
 from threepo.services.learner.ranks import Ranks, SingleRank
 from threepo.services.batching import TrainBatch, collate

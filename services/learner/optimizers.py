@@ -33,7 +33,7 @@ import torch
 
 from threepo.algorithms.ivon import IVON
 from threepo.algorithms.noise_mask import MaskedSigma, NoiseConfig, noised_names
-from threepo.services.learner.config import OptimConfig
+from threepo.services.learner.optim_config import OptimConfig
 from threepo.services.learner.zero import DeepSpeedAdamW
 from threepo.services.lora import LoRAConfig, merged_weights
 

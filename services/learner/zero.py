@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from threepo.services.learner.config import OptimConfig
+from threepo.services.learner.optim_config import OptimConfig
 
 TAG = "deepspeed"
 

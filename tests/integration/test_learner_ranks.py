@@ -22,7 +22,8 @@ from threepo.deploy.run import train
 from threepo.services.batching import batches_from_groups
 from threepo.services.learner.core import Learner
 from threepo.services.learner.checkpoint import load_learner
-from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig
+from threepo.services.learner.config import AlgoConfig
+from threepo.services.learner.optim_config import OptimConfig, SyncConfig
 from threepo.services.messages import Completion, Group, ScoredCompletion, VerifyResult, VerifyStatus
 from threepo.services.modeling import load_model, load_tokenizer, trainable_named_parameters
 from threepo.services.tasks import generate_items

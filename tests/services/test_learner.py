@@ -19,7 +19,8 @@ from threepo.algorithms.param_noise import perturbed_state
 from threepo.services.batching import batches_from_groups, collate
 from threepo.services.learner.core import Learner
 from threepo.services.learner.objective import make_estimator
-from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig
+from threepo.services.learner.config import AlgoConfig
+from threepo.services.learner.optim_config import OptimConfig, SyncConfig
 from threepo.services.messages import Completion, Group, ScoredCompletion, VerifyResult, VerifyStatus
 from threepo.services.modeling import load_model, load_tokenizer, trainable_named_parameters
 from threepo.services.tasks import generate_items

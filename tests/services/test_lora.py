@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig
+from threepo.services.learner.config import AlgoConfig
+from threepo.services.learner.optim_config import OptimConfig, SyncConfig
 from threepo.services.learner.core import Learner
 from threepo.services.lora import LoRAConfig, attach, merged_weights
 from threepo.services.modeling import load_model, load_tokenizer, trainable_named_parameters

@@ -19,7 +19,8 @@ from threepo.algorithms.weight_checks import weights_checksum
 from threepo.services.batching import collate, score_batch
 from threepo.services.engines.base import EngineRequest, SamplerConfig
 from threepo.services.engines.hf import HFEngine
-from threepo.services.learner.config import AlgoConfig, OptimConfig, SyncConfig
+from threepo.services.learner.config import AlgoConfig
+from threepo.services.learner.optim_config import OptimConfig, SyncConfig
 from threepo.services.learner.core import Learner
 from threepo.services.messages import GroupRows, NoiseSpec, RolloutRequest, SamplingParams, VerifyResult, VerifyStatus
 from threepo.services.modeling import load_model
