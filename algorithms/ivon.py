@@ -1,7 +1,7 @@
 """IVON, the diagonal Gaussian posterior q(θ) = N(m, σ²) over the weights (algorithms.md §1).
 
-What this is: the update of §1.2 re-derived from its formulas (ivon-opt is GPL-3.0; nothing here is copied
-from it or imports it) as pure tensor functions, and `IVON`, a torch optimizer built on them. Its state (fp32
+What this is: `IVON`, a torch optimizer built on the update of §1.2, re-derived from its formulas as pure
+tensor functions in ivon_update.py (ivon-opt is GPL-3.0; nothing here is copied from it or imports it). Its state (fp32
 mean m, Hessian h, momentum g_m; the step count t in the param group) is keyed by parameter name and exports
 to the layout of §1.6. A sample θ̂ = m + σ ⊙ z is written with `param_noise.load_perturbed`, so the θ̂ of a
 seed is exactly the one a sampler engine builds.
@@ -31,6 +31,8 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from threepo.algorithms.ivon_update import (gradsq_hessian_estimate, hessian_update, mean_step, momentum_update,
+                                            price_hessian_estimate)
 from threepo.algorithms.param_noise import SigmaView, load_perturbed, noise_like, posterior_sigma
 
 HESS_APPROX = ("price", "gradsq")
@@ -39,53 +41,6 @@ _STATE_KINDS = ("mean", "hess", "momentum")
 _STEP_CHUNK = 1 << 22  # elements of a tensor `IVON.step` updates at once (16 MB in fp32)
 _HYPER = ("lr", "ess", "hess_init", "beta1", "beta2", "weight_decay", "clip_radius", "rescale_lr",
           "debias", "hess_approx")
-
-
-def price_hessian_estimate(avg_nxg: torch.Tensor, hess: torch.Tensor, ess: float,
-                           weight_decay: float) -> torch.Tensor:
-    """ĥ = λ (h + δ) ⊙ mean_k(ε_k ⊙ ĝ_k)   (§1.2, 'price'; = ĝ ⊙ (θ̂ − m) / σ² by Price/Bonnet).
-
-    Shapes: avg_nxg [*], hess [*] -> [*]. Often negative for a single sample; see `hessian_update`.
-    """
-    return (hess + weight_decay).mul_(avg_nxg).mul_(ess)
-
-
-def gradsq_hessian_estimate(avg_gsq: torch.Tensor, ess: float) -> torch.Tensor:
-    """ĥ = λ · mean_k(ĝ_k ⊙ ĝ_k)   (§1.2, hess_approx='gradsq'). Shapes: [*] -> [*], always ≥ 0."""
-    return ess * avg_gsq
-
-
-def hessian_update(hess: torch.Tensor, hess_est: torch.Tensor, beta2: float,
-                   weight_decay: float) -> torch.Tensor:
-    """h ← β2 h + (1 − β2) ĥ + ½ (1 − β2)² (h − ĥ)² / (h + δ)   (§1.2; old h on the right).
-
-    Positivity: with a = 1 − β2, H = h + δ > 0, x = a (ĥ − h) / H the result satisfies
-    h_new + δ = H (1 + (1 + x)²) / 2 ≥ H / 2 > 0 for ĥ of any sign or size.
-    Shapes: hess [*], hess_est [*] -> [*].
-    """
-    a = 1.0 - beta2
-    gap = hess - hess_est
-    return torch.add(hess * beta2, hess_est, alpha=a).addcmul_(gap, gap / (hess + weight_decay), value=0.5 * a * a)
-
-
-def momentum_update(momentum: torch.Tensor, grad: torch.Tensor, beta1: float) -> torch.Tensor:
-    """g_m ← β1 g_m + (1 − β1) ḡ   (§1.2; ḡ the mean gradient over the K samples). [*] -> [*]."""
-    return torch.add(momentum * beta1, grad, alpha=1.0 - beta1)
-
-
-def mean_step(mean: torch.Tensor, momentum: torch.Tensor, hess: torch.Tensor, *, lr: float,
-              step: int, beta1: float, weight_decay: float, hess_init: float, clip_radius: float,
-              rescale_lr: bool, debias: bool) -> torch.Tensor:
-    """m ← m − α · clip((g_m / b + δ m) / (h + δ), −ξ, ξ)   (§1.2; g_m and h already updated).
-
-    α = lr (h0 + δ) if rescale_lr else lr;  b = 1 − β1^t if debias else 1;  t = `step` ≥ 1.
-    Shapes: mean, momentum, hess [*] -> new mean [*].
-    """
-    assert step >= 1, f"step counts from 1 after the first update, got {step}"
-    alpha = lr * (hess_init + weight_decay) if rescale_lr else lr
-    debias_b = 1.0 - beta1**step if debias else 1.0
-    direction = torch.add(momentum / debias_b, mean, alpha=weight_decay).div_(hess + weight_decay)
-    return torch.add(mean, direction.clamp_(-clip_radius, clip_radius), alpha=-alpha)
 
 
 def _check_hyper(lr, ess, hess_init, beta1, beta2, weight_decay, clip_radius, hess_approx) -> None:

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from threepo.algorithms.ivon import (
-    IVON,
+from threepo.algorithms.ivon import IVON
+from threepo.algorithms.ivon_update import (
     gradsq_hessian_estimate,
     hessian_update,
     mean_step,
