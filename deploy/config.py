@@ -13,6 +13,7 @@ file is itself a valid recipe.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import tomllib
 import types
@@ -117,8 +118,20 @@ class RuntimeConfig:
     log_rollouts: bool = True
     """Append every consumed group (msgpack, schema-versioned; one record of the step's arrays per
     step, `batching.logged_groups` reads them as groups) to `rollouts.log` in the run directory."""
+    trackers: tuple[Literal["tensorboard", "wandb"], ...] = ()
+    """Experiment trackers that receive every metrics.jsonl row (training steps and held-out rows):
+    `tensorboard` (event files in <run dir>/tensorboard), `wandb` (Weights & Biases, under <run
+    dir>/wandb, `runtime.wandb_mode`). Needs `pip install 'threepo[tracking]'`."""
+    wandb_project: str = "threepo"
+    """W&B project the run is logged to (the run's name is its run directory's)."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """offline: no account or network needed; `wandb sync <run dir>/wandb/offline-run-*` uploads it
+    later. online: logs as it goes (needs `wandb login` or WANDB_API_KEY)."""
 
     def __post_init__(self) -> None:
+        for tracker in self.trackers:
+            if importlib.util.find_spec(tracker) is None:
+                raise ValueError(f"runtime.trackers: {tracker} is not installed (pip install 'threepo[tracking]')")
         if not self.sampler_restart_s > 0:
             raise ValueError(f"runtime.sampler_restart_s: expected > 0, got {self.sampler_restart_s}")
         if self.num_samplers < 0 or self.request_samplers < 0 or not self.pool_check_s > 0:

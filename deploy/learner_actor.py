@@ -58,6 +58,7 @@ class LearnerActor:
         batches, scores = arrays[:n_batches], arrays[n_batches:]
         result = self.learner.step(groups, batches, scores)
         return_free_memory()
+        result.metrics["learner_peak_mib"] = round(peak_rss() / 2**20, 1)
         if self.learner.ranks.first:  # one of R ranks: rank 0 speaks for the group
             record_learner_metrics(self._metrics, result, groups, self.learner.algo.exploration)
         if self.log:

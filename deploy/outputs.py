@@ -57,17 +57,24 @@ def resume_metrics_file(path: str, offset: int, step: int) -> None:
 
 
 class RunLog:
-    """metrics.jsonl, the progress bar and the driver's metrics of one run."""
+    """metrics.jsonl, the experiment trackers that copy its rows (deploy/trackers.py), the progress
+    bar with its one-line step summary, and the driver's metrics of one run."""
 
-    def __init__(self, run_dir: str, label: str, total: int, initial: int) -> None:
+    def __init__(self, run_dir: str, cfg, initial: int) -> None:
+        import dataclasses
+
         from tqdm import tqdm
 
         from threepo.deploy.metrics import RayMetrics
+        from threepo.deploy.trackers import make_trackers
         from threepo.services.metrics import register_catalogue
 
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.file = open(self.path, "a")
-        self.bar = tqdm(total=total, initial=initial, desc=label, unit="step")
+        rt = cfg.runtime
+        self.trackers = make_trackers(rt.trackers, run_dir, project=rt.wandb_project, mode=rt.wandb_mode,
+                                      config=dataclasses.asdict(cfg))
+        self.bar = tqdm(total=rt.steps, initial=initial, desc=f"train {cfg.algo.exploration}", unit="step")
         self.metrics = register_catalogue(RayMetrics())
         self.started = time.monotonic()
         self._truncated, self._rollouts, self._warned = 0.0, 0, False
@@ -81,8 +88,7 @@ class RunLog:
             self.bar.write(f"threepo: warning: {self._truncated / self._rollouts:.0%} of completions so far ended at "
                            f"the length limit (over {TRUNCATION_WARNING:.0%}; they score malformed): raise "
                            "sampler.max_new_tokens")
-        self.bar.set_postfix_str(f"reward {row.get('reward_mean', float('nan')):.2f} v{row.get('version')} "
-                                 f"stale {row.get('staleness_max', 0):.0f}")
+        self.bar.set_postfix_str(step_summary(row))
         self.bar.update(1)
 
     def heldout(self, step: int, pass1: float, n: int) -> None:
@@ -97,10 +103,26 @@ class RunLog:
     def _write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
+        for tracker in self.trackers:
+            tracker.log(row)
 
     def close(self) -> None:
         self.bar.close()
         self.file.close()
+        for tracker in self.trackers:
+            tracker.close()
+
+
+def step_summary(row: dict) -> str:
+    """The progress bar's one line for a step: reward, loss, KL of the behaviour to the learner's
+    policy, gradient norm, tokens per second over the engines, the learner's peak memory, version and
+    staleness (a figure the step did not report is left out)."""
+    tokens = sum(v for k, v in row.items() if k.startswith("tokens_per_s/"))
+    parts = [("reward", row.get("reward_mean"), ".2f"), ("loss", row.get("loss"), ".3g"),
+             ("kl", row.get("kl_k3"), ".2g"), ("|g|", row.get("grad_norm"), ".3g"),
+             ("tok/s", tokens or None, ".0f"), ("mem", row.get("learner_peak_mib"), ".0f")]
+    text = " ".join(f"{name} {value:{spec}}" for name, value, spec in parts if value is not None)
+    return f"{text}{' MiB' if 'learner_peak_mib' in row else ''} v{row.get('version')} stale {row.get('staleness_max', 0):.0f}"
 
 
 def record_driver_metrics(handles: dict, row: dict, counts, reported: dict) -> None:

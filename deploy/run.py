@@ -93,7 +93,7 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, resume_from: str | None = No
         resume_metrics_file(os.path.join(run_dir, "metrics.jsonl"), saved["metrics_bytes"], ledger.step)
     elif os.path.exists(os.path.join(run_dir, "metrics.jsonl")):  # a restore before the first checkpoint
         resume_metrics_file(os.path.join(run_dir, "metrics.jsonl"), 0, 0)
-    s = Loop(cfg, roles, ledger, RunLog(run_dir, f"train {cfg.algo.exploration}", rt.steps, ledger.step))
+    s = Loop(cfg, roles, ledger, RunLog(run_dir, cfg, ledger.step))
     if resume_from:
         current = call(s.roles.posterior.current_version.remote())
         s.roles.posterior.acquire.remote(current)  # the ledger's hold (Ledger.adopt)

@@ -199,7 +199,7 @@ def test_stop_and_resume_continues_the_same_run(ray_session, tmp_path, tiny_dens
 
     from threepo.deploy import checkpoints
 
-    cfg_b = _cfg(tmp_path / "b", tiny_dense_path, *det)
+    cfg_b = _cfg(tmp_path / "b", tiny_dense_path, *det, 'runtime.trackers=["tensorboard", "wandb"]')
     part_dir = make_run_dir(cfg_b, "train")
     train(load_config(os.path.join(part_dir, "config.toml"), ["runtime.steps=2"]), part_dir, tiny_dense_path)
     ckpt = checkpoints.latest(part_dir)
@@ -210,6 +210,14 @@ def test_stop_and_resume_continues_the_same_run(ray_session, tmp_path, tiny_dens
         assert a["version"] == b["version"]
         for key in ("reward_mean", "loss", "kl_k3", "completion_tokens"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(part_dir, "tensorboard"))  # both sittings' events, one directory
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [
+        (row["step"], pytest.approx(row["reward_mean"])) for row in resumed]
+    offline = {name.rsplit("-", 1)[1] for name in os.listdir(os.path.join(part_dir, "wandb")) if name.startswith("offline-run-")}
+    assert len(offline) == 1  # the resumed sitting continues the same W&B run
 
 
 def _kill_session(sid: int) -> None:

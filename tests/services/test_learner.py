@@ -638,3 +638,14 @@ def test_adamw_measures_the_drift_on_every_rollout_from_its_update_forward(sampl
     learner._logprobs = lambda batch, rows: forwards.append(len(rows)) or original(batch, rows)
     m = _step(learner, groups).metrics
     assert not forwards and m["kl_k3_drift"] == m["kl_k3"] and m["ess_frac_drift"] == m["ess_frac"]
+
+
+@pytest.mark.parametrize("optim", ["ivon", "adamw"])
+def test_a_step_reports_the_norm_of_the_gradient_it_stepped_with(sampler, tiny_dense_path, optim):
+    exploration, n_slots = ("c3po", 4) if optim == "ivon" else ("grpo", 1)
+    config = OptimConfig(name=optim)
+    raw = _groups(sampler, _learner(tiny_dense_path, exploration, n_slots, optim=config), exploration, n_slots, 8)
+    live = _step(_learner(tiny_dense_path, exploration, n_slots, optim=config), [_rescored(raw[0], [1, 0] * 4)])
+    dead = _step(_learner(tiny_dense_path, exploration, n_slots, optim=config), [_rescored(raw[0], [0] * 8)])
+    assert live.metrics["grad_norm"] > 0 and math.isfinite(live.metrics["grad_norm"])
+    assert dead.metrics["grad_norm"] == 0.0  # every advantage 0: no gradient
