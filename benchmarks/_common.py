@@ -163,7 +163,7 @@ class CpuMeter:
         pids = {role: ray.get([h.__ray_call__.remote(lambda _: os.getpid()) for h in hs])
                 for role, hs in handles.items()}
         self.procs = {role: [psutil.Process(p) for p in ps] for role, ps in pids.items()}
-        # a role's own helper processes count as its (the learner's drift process: services/learner/beside.py)
+        # a role's own helper processes count as its (the learner's drift process: services/learner/drift_process.py)
         self.procs = {role: [q for p in procs for q in (p, *p.children(recursive=True))]
                       for role, procs in self.procs.items()}
         self.procs["driver"] = [psutil.Process()]

@@ -28,7 +28,8 @@ def server_bytes(model: str, cfg, n_slots: int) -> int:
 
     mean, sigma = _common.posterior_arrays(model, cfg)
     checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
-    server = PosteriorServer(PosteriorConfig(kind="c3po", group_size=cfg.algo.group_size, n_slots=n_slots))
+    server = PosteriorServer(PosteriorConfig(kind="c3po", group_size=cfg.algo.group_size, n_slots=n_slots,
+                                             equal_compute=True, base_seed=cfg.seed))
     published = server.publish(PublishedVersion(learner_step=0, reason="start", mean=mean, sigma=sigma,
                                                 mean_checksum=checksum))
     if len(published.plan.slots) != n_slots:

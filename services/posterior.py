@@ -27,31 +27,26 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from threepo.algorithms.exploration import KINDS, ExplorationPlan, Slot, make_plan
+from threepo.algorithms.exploration import ExplorationPlan, Slot, make_plan
 from threepo.services.messages import PublishedVersion
 
 
 @dataclass(frozen=True)
 class PosteriorConfig:
-    """How the posterior server plans and keeps versions."""
+    """What the posterior server plans every version with: the run's `[algo]` plan settings and its
+    global seed, which own and validate them (deploy/actors.py `posterior_config` copies them here; a
+    run has no `[posterior]` section). `make_plan` checks the combination at each publish."""
 
-    kind: str = "c3po"
-    """Exploration plan of every version: "grpo", "b3po", "m3po" or "c3po" (exploration.py)."""
-    group_size: int = 8
-    """G: rollouts per advantage group (effective rollouts per prompt)."""
-    n_slots: int = 4
-    """Perturbation slots per version: 1 for grpo/b3po, M for m3po, N for c3po."""
-    equal_compute: bool = True
-    """M3PO only when False: G rollouts per slot instead of G/M (algorithms.md §2.3)."""
-    base_seed: int = 0
-    """Root of every plan seed (slot seeds are hashed from it and the version)."""
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"posterior.kind: expected one of {KINDS}, got {self.kind!r}")
-        for name in ("group_size", "n_slots"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"posterior.{name}: expected >= 1, got {getattr(self, name)}")
+    kind: str
+    """algo.exploration: "grpo", "b3po", "m3po" or "c3po" (algorithms/exploration.py)."""
+    group_size: int
+    """algo.group_size: G, rollouts per advantage group."""
+    n_slots: int
+    """algo.n_slots: perturbation slots per version (N of C3PO, M of M3PO, 1 otherwise)."""
+    equal_compute: bool
+    """algo.equal_compute: M3PO's G/M rollouts per slot (true) or G (false)."""
+    base_seed: int
+    """The global seed: the root of every plan seed (slot seeds are hashed from it and the version)."""
 
 
 @dataclass(frozen=True)

@@ -208,7 +208,7 @@ class LearnerConfig:
     when prompts are as long as completions). VP2O's routing hooks keep the plain forward."""
     drift_process: bool = True
     """IVON on one CPU rank: run the drift diagnostic's no-grad forward at a slot (the sync budget's
-    KL and ESS) in a process of its own beside the update (services/learner/beside.py), on a core the
+    KL and ESS) in a process of its own beside the update (services/learner/drift_process.py), on a core the
     samplers leave idle, instead of on the learner's. It holds a second copy of the model; until it
     has loaded it (seconds) the learner computes those forwards itself. false: always itself. A
     local run with a fixed sampler pool starts it only where a core is left beside the learner's

@@ -12,7 +12,7 @@ importance weights correct each rollout's behaviour μ (its slot at its version)
 budget acts on the drift of each rollout's own slot rebuilt from the start-of-step posterior, not on
 the exploration noise between slots (off_policy.behaviour_drift); an IVON step that publishes on
 staleness anyway does not measure it, and on one CPU rank (`beside`) its forward runs in a process
-of its own beside the update (services/learner/beside.py). As one of R data-parallel ranks (`ranks`,
+of its own beside the update (services/learner/drift_process.py). As one of R data-parallel ranks (`ranks`,
 services/learner/ranks.py) it computes its share of each point's rows, on gradients summed over the
 ranks, and IVON steps only the tensors this rank owns.
 
@@ -55,7 +55,7 @@ from threepo.services.batching import TrainBatch, collate
 from threepo.services.lora import LoRAConfig, adapters_off, attach, merged_weights, save_adapter
 from threepo.services.messages import CompletionBatch, GroupRows, PublishedVersion, ScoreBatch
 from threepo.services.modeling import load_model, trainable_named_parameters
-from threepo.services.learner.beside import BesideProcess, Pending
+from threepo.services.learner.drift_process import DriftProcess, Pending
 from threepo.services.learner.objective import group_metrics, make_estimator, make_policy_loss, step_advantages
 from threepo.services.learner.noise_control import make_noise_control
 from threepo.services.learner.phases import PhaseClock
@@ -85,7 +85,7 @@ class Learner:
     def __init__(self, model_path: str, algo: AlgoConfig, optim: OptimConfig, sync: SyncConfig, *,
                  temperature: float, max_new_tokens: int, threads: int = 1,
                  vp2o: VP2OConfig | None = None, ranks: Ranks | None = None, device: str = "cpu",
-                 deepspeed_stage: int = -1, shared_prefix: bool = True, beside: bool = False,
+                 deepspeed_stage: int = -1, shared_prefix: bool = True, drift_process: bool = False,
                  activation_mb: int = 0, gradient_checkpointing: bool = False, bf16: bool = False,
                  noise: NoiseConfig | None = None, noise_prompts: list[list[int]] | None = None,
                  lora: LoRAConfig | None = None, adapter_versions: bool = False,
@@ -113,7 +113,7 @@ class Learner:
         self.reference = (lambda: adapters_off(self.model)) if self.lora.rank else (lambda: nullcontext(self.ref_model))
         # the drift forwards at slot weights in a process beside the update (config.has_drift_process)
         noise = noise or NoiseConfig()
-        self.beside = (BesideProcess(model_path, self.named, temperature, self.chunk, bf16, noise.rank) if beside and
+        self.drift_process = (DriftProcess(model_path, self.named, temperature, self.chunk, bf16, noise.rank) if drift_process and
                        has_drift_process(optim.name, self.ranks.world, deepspeed_stage, self.device.type, self.lora.rank) else None)
         self.optimizer = make_optimizer(self.model, self.named, optim, self.ranks, deepspeed_stage, noise, self.lora,
                                         adapter_versions)
@@ -211,7 +211,7 @@ class Learner:
         at the current (m, σ) with the slot's own σ multiplier c for the drift diagnostic, and for
         LamPO also update 0's π_prox (Δs comes first). Update 0's π_prox is otherwise its own first
         forward (stored by `step`). Points are (seed, c); gradient points have c = 1. Points only the
-        drift diagnostic needs are computed beside the update when the learner can (`BesideProcess`,
+        drift diagnostic needs are computed beside the update when the learner can (`DriftProcess`,
         once it has loaded its model): they are in `start` once the returned `Pending` is joined."""
         prox_first, for_updates, for_drift = self.estimator.needs_prox, {}, {}
         points = list(zip(batch.slot_seeds, batch.slot_scales))
@@ -224,15 +224,15 @@ class Learner:
         for seed, rows in ([] if prox_first or not updates else updates[0]):
             for need in (for_updates, for_drift):
                 need.get((seed, 1.0), set()).difference_update(rows.tolist())
-        beside = self.beside is not None and self.beside.is_ready()
-        aside = {p: torch.tensor(sorted(r)) for p, r in for_drift.items() if r and p not in for_updates} if beside else {}
+        ready = self.drift_process is not None and self.drift_process.is_ready()
+        drift_only = {p: torch.tensor(sorted(r)) for p, r in for_drift.items() if r and p not in for_updates} if ready else {}
         for_updates_only = {point for point, rows in for_updates.items() if rows}
-        for point in set(for_drift) - set(aside):
+        for point in set(for_drift) - set(drift_only):
             for_updates.setdefault(point, set()).update(for_drift[point])
         start, size = StartLogprobs(batch.mask.shape, batch.mask.device), batch.rewards.shape[1]
         need = {point: torch.tensor(sorted(rows)) for point, rows in for_updates.items() if rows}
-        pending = (self.beside.start(batch, aside, *self.optimizer.served_posterior(),
-                                     lambda rows: self._run(batch, rows)) if aside else Pending())
+        pending = (self.drift_process.start(batch, drift_only, *self.optimizer.served_posterior(),
+                                     lambda rows: self._run(batch, rows)) if drift_only else Pending())
         for (seed, scale), rows in need.items():
             idx = self.ranks.mine(rows, size)  # every rank takes part in each point's collectives
             drift_only = (seed, scale) in for_drift and (seed, scale) not in for_updates_only

@@ -6,7 +6,7 @@ each rollout's behaviour log-probs with its own slot rebuilt from (m₀, σ₀) 
 multiplier c (θ̂ = m₀ + c · σ₀ ⊙ z(seed); gradient points have c = 1). The learner computes
 these once, before the weights move, row by row into one [B, T] tensor per seed; rows asked for
 twice are computed once (those only the drift diagnostic needs can be computed by a process beside
-the update: services/learner/beside.py), and `drift_metrics` compares them with the behaviour log-probs.
+the update: services/learner/drift_process.py), and `drift_metrics` compares them with the behaviour log-probs.
 Not here: what each forward computes (services/learner/core.py).
 """
 

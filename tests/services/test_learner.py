@@ -89,10 +89,10 @@ def _groups(sampler, learner, exploration, n_slots, group_size, rewards_seed=0, 
     return groups
 
 
-def _learner(path, exploration="c3po", n_slots=4, optim=None, sync=None, beside=False, **algo):
+def _learner(path, exploration="c3po", n_slots=4, optim=None, sync=None, drift_process=False, **algo):
     return Learner(path, AlgoConfig(exploration=exploration, n_slots=n_slots, group_size=8, **algo),
                    optim or OptimConfig(), sync or SyncConfig(max_staleness=2), temperature=1.0, max_new_tokens=10,
-                   beside=beside)
+                   drift_process=drift_process)
 
 
 def _train_seeds(learner) -> list:
@@ -397,40 +397,40 @@ def test_the_drift_measured_in_a_process_beside_the_update_equals_the_drift_meas
     # IVON on one CPU rank measures the drift in a process of its own (its model copy, m and σ through
     # shared memory) while the update's gradient is computed; it must give what the inline forward
     # gives, step after step, and the learner must not compute it itself
-    beside = _learner(tiny_dense_path, sync=SyncConfig(max_staleness=8), beside=True)
+    apart = _learner(tiny_dense_path, sync=SyncConfig(max_staleness=8), drift_process=True)
     inline = _learner(tiny_dense_path, sync=SyncConfig(max_staleness=8))
-    assert inline.beside is None and beside.beside.is_ready(wait_s=120)
-    groups = _groups(sampler, beside, "c3po", 4, 8)
-    forwards, original = [], beside._logprobs
-    beside._logprobs = lambda batch, rows: forwards.append(len(rows)) or original(batch, rows)
+    assert inline.drift_process is None and apart.drift_process.is_ready(wait_s=120)
+    groups = _groups(sampler, apart, "c3po", 4, 8)
+    forwards, original = [], apart._logprobs
+    apart._logprobs = lambda batch, rows: forwards.append(len(rows)) or original(batch, rows)
     for _ in range(3):
-        a, b = _step(beside, groups), _step(inline, groups)
+        a, b = _step(apart, groups), _step(inline, groups)
         assert a.metrics["kl_k3_drift"] == pytest.approx(b.metrics["kl_k3_drift"], rel=1e-6, abs=1e-9)
         assert a.metrics["ess_frac_drift"] == pytest.approx(b.metrics["ess_frac_drift"], rel=1e-6)
         assert a.metrics["kl_k3_drift"] > 0 and a.publish == b.publish
     assert forwards == []  # every start-of-step forward of these steps ran in the process
-    for name, p in beside.named:  # the updates themselves are the same
+    for name, p in apart.named:  # the updates themselves are the same
         assert torch.allclose(p, dict(inline.named)[name], atol=1e-7)
-    process = beside.beside.proc
-    beside.beside.close()
+    process = apart.drift_process.proc
+    apart.drift_process.close()
     assert process.wait(timeout=30) == 0  # it exits when its stdin closes
 
 
 def test_an_error_in_the_process_beside_the_update_fails_the_step_and_the_next_one_runs(sampler, tiny_dense_path):
-    learner = _learner(tiny_dense_path, sync=SyncConfig(max_staleness=8), beside=True)
-    assert learner.beside.is_ready(wait_s=120)
+    learner = _learner(tiny_dense_path, sync=SyncConfig(max_staleness=8), drift_process=True)
+    assert learner.drift_process.is_ready(wait_s=120)
     groups = _groups(sampler, learner, "c3po", 4, 8)
-    original = learner.beside.start
+    original = learner.drift_process.start
 
     def broken(batch, points, means, sigmas, run):  # runs that are no whole groups fail the forward there
         return original(batch, points, means, sigmas, lambda rows: len(rows) + 1)
-    learner.beside.start = broken
+    learner.drift_process.start = broken
     with pytest.raises(RuntimeError, match="failed in its process"):
         _step(learner, groups)
-    learner.beside.start = original
+    learner.drift_process.start = original
     assert "kl_k3_drift" in _step(learner, groups).metrics  # the process still serves
-    learner.beside.proc.kill()
-    learner.beside.proc.wait()
+    learner.drift_process.proc.kill()
+    learner.drift_process.proc.wait()
     with pytest.raises(RuntimeError, match="process exited"):
         _step(learner, groups)
 

@@ -24,6 +24,11 @@ def _pv(version, scale=0.01, sigma=True, shapes=None):
     return PublishedVersion(learner_step=10 * version, reason="test", mean=mean, sigma=sig, mean_checksum=checksum)
 
 
+def _plan(kind, n_slots, group_size=8, equal_compute=True, base_seed=0):
+    return PosteriorConfig(kind=kind, group_size=group_size, n_slots=n_slots, equal_compute=equal_compute,
+                           base_seed=base_seed)
+
+
 def _server(cfg, upto, **pv):
     """A server that has published versions 0..upto."""
     server = PosteriorServer(cfg)
@@ -35,7 +40,7 @@ def _server(cfg, upto, **pv):
 @pytest.mark.parametrize("kind,n_slots,expect_slots,expect_groups", [
     ("grpo", 1, 1, 1), ("b3po", 1, 1, 1), ("m3po", 2, 2, 2), ("c3po", 4, 4, 1)])
 def test_publish_makes_the_plan_of_each_kind(kind, n_slots, expect_slots, expect_groups):
-    server = _server(PosteriorConfig(kind=kind, group_size=8, n_slots=n_slots, base_seed=5), upto=0)
+    server = _server(_plan(kind, n_slots, group_size=8, base_seed=5), upto=0)
     published = server.publish(_pv(1))
     plan = published.plan
     assert published.version == 1 and published.learner_step == 10 and published.reason == "test"
@@ -46,14 +51,14 @@ def test_publish_makes_the_plan_of_each_kind(kind, n_slots, expect_slots, expect
     seeds = [s.seed for s in plan.slots]
     assert (seeds == [None]) if kind == "grpo" else (len(set(seeds)) == n_slots and None not in seeds)
     # a new version draws new seeds; the same config in a fresh server draws the same ones
-    other = _server(PosteriorConfig(kind=kind, group_size=8, n_slots=n_slots, base_seed=5), upto=0)
+    other = _server(_plan(kind, n_slots, group_size=8, base_seed=5), upto=0)
     assert other.publish(_pv(1)).plan == plan
     if kind != "grpo":
         assert server.publish(_pv(2)).plan.slots[0].seed != plan.slots[0].seed
 
 
 def test_weights_are_read_only_fp32_copies_and_the_server_numbers_versions():
-    server = _server(PosteriorConfig(kind="b3po", n_slots=1), upto=2)
+    server = _server(_plan("b3po", 1), upto=2)
     pv = _pv(3)
     assert server.publish(pv).version == 3
     mean, sigma, checksum = server.weights(3)
@@ -68,7 +73,7 @@ def test_weights_are_read_only_fp32_copies_and_the_server_numbers_versions():
 
 
 def test_bad_publications_are_rejected_with_the_field():
-    server = PosteriorServer(PosteriorConfig(kind="c3po", n_slots=2, group_size=4))
+    server = PosteriorServer(_plan("c3po", 2, group_size=4))
     with pytest.raises(ValueError, match="sigma is None"):
         server.publish(_pv(1, sigma=False))
     bad = _pv(1)
@@ -77,14 +82,14 @@ def test_bad_publications_are_rejected_with_the_field():
         server.publish(bad)
     with pytest.raises(LookupError, match="no posterior version"):
         server.current_version()
-    with pytest.raises(ValueError, match="posterior.kind"):
-        PosteriorConfig(kind="ppo")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        PosteriorServer(_plan("ppo", 1)).publish(_pv(0))
 
 
 def test_a_held_version_outlives_newer_publishes_until_its_holder_lets_go():
     # the driver publishes with a hold and releases the previous version only once it has adopted the
     # new one: admissions it sends in between still name the previous version and must find it
-    server = PosteriorServer(PosteriorConfig(kind="b3po", n_slots=1))
+    server = PosteriorServer(_plan("b3po", 1))
     server.publish(_pv(0), hold=True)
     server.publish(_pv(1), hold=True)
     server.publish(_pv(2), hold=True)  # published before the driver took in version 1
@@ -97,7 +102,7 @@ def test_a_held_version_outlives_newer_publishes_until_its_holder_lets_go():
 
 
 def test_a_referenced_old_version_stays_until_released():
-    server = _server(PosteriorConfig(kind="b3po", n_slots=1), upto=1)
+    server = _server(_plan("b3po", 1), upto=1)
     server.acquire(1, n=3)
     server.publish(_pv(2))
     server.publish(_pv(3))
@@ -121,7 +126,7 @@ def test_a_referenced_old_version_stays_until_released():
 def test_an_engine_takes_the_published_mean_and_refuses_another(tiny_dense_path):
     engine = HFEngine(tiny_dense_path, SamplerConfig(seed=1))
     shapes = {n: tuple(p.shape) for n, p in engine._params.items()}
-    server = _server(PosteriorConfig(kind="c3po", group_size=4, n_slots=2, base_seed=9), upto=4, scale=0.02,
+    server = _server(_plan("c3po", 2, group_size=4, base_seed=9), upto=4, scale=0.02,
                      shapes=shapes)
     plan = server.version_plan(4).plan
     engine.load_version(4, *server.weights(4))
@@ -134,7 +139,7 @@ def test_an_engine_takes_the_published_mean_and_refuses_another(tiny_dense_path)
 
 
 def test_state_round_trip_restores_versions_plans_and_refcounts():
-    cfg = PosteriorConfig(kind="c3po", group_size=8, n_slots=4, base_seed=3)
+    cfg = _plan("c3po", 4, group_size=8, base_seed=3)
     server = _server(cfg, upto=1)
     server.acquire(1, n=2)
     server.publish(_pv(2))
@@ -149,7 +154,7 @@ def test_state_round_trip_restores_versions_plans_and_refcounts():
             assert a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
     assert restored.version_plan(1).mean_checksum == server.version_plan(1).mean_checksum
     # a restored plan stays as saved even if the config for future versions changes
-    moved = PosteriorServer.from_state(state, PosteriorConfig(kind="c3po", group_size=8, n_slots=2, base_seed=4))
+    moved = PosteriorServer.from_state(state, _plan("c3po", 2, group_size=8, base_seed=4))
     assert moved.version_plan(1).plan == server.version_plan(1).plan and len(moved.publish(_pv(3)).plan.slots) == 2
     restored.release(1, n=2)
     assert sorted(_refcounts(restored)) == [2] and restored.publish(_pv(3)).version == 3
@@ -160,7 +165,7 @@ def test_a_version_serves_the_slots_the_learner_chose_and_keeps_them_through_a_c
 
     from threepo.services.posterior import load_posterior, save_posterior
 
-    server = PosteriorServer(PosteriorConfig(kind="c3po", group_size=8, n_slots=4, base_seed=3))
+    server = PosteriorServer(_plan("c3po", 4, group_size=8, base_seed=3))
     assert {s.scale for s in server.publish(_pv(0)).plan.slots} == {1.0}  # the server's own seeds
     chosen = ((11, 0.5), (12, 0.5), (13, 0.5), (14, 0.5))
     plan = server.publish(dataclasses.replace(_pv(1), slots=chosen)).plan
@@ -176,7 +181,7 @@ def test_a_version_is_read_back_as_the_learner_published_it_through_a_checkpoint
 
     from threepo.services.posterior import load_posterior, save_posterior
 
-    server = PosteriorServer(PosteriorConfig(kind="c3po", group_size=8, n_slots=4, base_seed=3))
+    server = PosteriorServer(_plan("c3po", 4, group_size=8, base_seed=3))
     sent = dataclasses.replace(_pv(7), reason="kl", noise_rank=2, lora=(8, 16.0))  # (r, α) of an adapter posterior
     server.publish(sent)
     save_posterior(server, str(tmp_path))
@@ -192,7 +197,7 @@ def test_a_sigma_of_the_noised_tensors_alone_round_trips_through_a_checkpoint(tm
 
     from threepo.services.posterior import load_posterior, save_posterior
 
-    server = PosteriorServer(PosteriorConfig(kind="c3po", group_size=8, n_slots=4, base_seed=3))
+    server = PosteriorServer(_plan("c3po", 4, group_size=8, base_seed=3))
     full = _pv(3)
     sent = dataclasses.replace(full, sigma={"w": full.sigma["w"]})  # "b" is outside the noise mask
     server.publish(sent)
@@ -205,7 +210,7 @@ def test_a_sigma_of_the_noised_tensors_alone_round_trips_through_a_checkpoint(tm
 def test_checkpoint_files_round_trip_with_references_dropped(tmp_path):
     from threepo.services.posterior import load_posterior, save_posterior
 
-    server = _server(PosteriorConfig(kind="c3po", group_size=8, n_slots=4, base_seed=3), upto=1)
+    server = _server(_plan("c3po", 4, group_size=8, base_seed=3), upto=1)
     server.acquire(1)  # an older version kept by a reference
     server.publish(_pv(2))
     server.acquire(2, n=5)
@@ -233,6 +238,6 @@ def _plain(value) -> bool:
 def test_bytes_per_engine_do_not_depend_on_the_number_of_slots():
     sizes = []
     for n_slots in (1, 2, 4, 8):
-        server = _server(PosteriorConfig(kind="c3po", group_size=8, n_slots=n_slots), upto=1)
+        server = _server(_plan("c3po", n_slots, group_size=8), upto=1)
         sizes.append(server.bytes_of(1))
     assert sizes == [2 * 4 * (12 + 4)] * 4  # mean + σ, fp32, 16 numbers each

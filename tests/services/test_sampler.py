@@ -66,7 +66,7 @@ def setup(hf_engine):
     """A fresh sampler over the shared engine, with version 1 of a 3-slot C3PO plan loaded."""
     mean = {n: p.detach().numpy().copy() for n, p in hf_engine._params.items()}
     checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
-    server = PosteriorServer(PosteriorConfig(kind="c3po", group_size=6, n_slots=3, base_seed=1))
+    server = PosteriorServer(PosteriorConfig(kind="c3po", group_size=6, n_slots=3, equal_compute=True, base_seed=1))
     for _ in range(2):  # versions 0 and 1
         server.publish(PublishedVersion(0, "init", mean, {n: np.full(a.shape, 0.02) for n, a in mean.items()},
                                         checksum))

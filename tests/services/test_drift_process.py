@@ -1,4 +1,4 @@
-"""The drift forward's process beside the learner (services/learner/beside.py): nothing outlives a learner
+"""The drift forward's process beside the learner (services/learner/drift_process.py): nothing outlives a learner
 that dies without cleaning up. (Its results against the inline forward: tests/services/test_learner.py.)"""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ def test_the_shared_buffers_have_no_name_and_the_process_outlives_no_learner(tin
     # end of its stdin
     code = f"""
 import os, tempfile
-from threepo.services.learner.beside import BesideProcess
+from threepo.services.learner.drift_process import DriftProcess
 from threepo.services.modeling import load_model, trainable_named_parameters
 folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 before = set(os.listdir(folder))
-b = BesideProcess({tiny_dense_path!r}, trainable_named_parameters(load_model({tiny_dense_path!r})), 1.0)
+b = DriftProcess({tiny_dense_path!r}, trainable_named_parameters(load_model({tiny_dense_path!r})), 1.0)
 left = [f for f in set(os.listdir(folder)) - before if f.startswith("threepo-beside-")]
 print(len(left), b.proc.pid, flush=True)
 os._exit(0)

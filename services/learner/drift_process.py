@@ -2,7 +2,7 @@
 
 On a CPU box the learner's update takes one core. The drift diagnostic's no-grad forward at a slot
 (services/learner/proximal.py) would take the learner's own time inline; in a thread it would share the
-interpreter lock and the core with the update (measured: no faster than inline). `BesideProcess` runs
+interpreter lock and the core with the update (measured: no faster than inline). `DriftProcess` runs
 it in a Python process of its own, on the core the sampler engine leaves idle:
 - the process loads its own copy of the model from the learner's checkpoint;
 - each step the learner writes (m, σ) into two fp32 buffers that both processes map (a file in
@@ -52,7 +52,7 @@ class Pending:
                 start.put(seed, rows, logp, scale)
 
 
-class BesideProcess:
+class DriftProcess:
     """No-grad token log-probs at posterior samples θ̂(seed, c) = m + c · σ ⊙ z(seed), computed by
     a process of its own on its copy of the model at `model_path` (`named`: the learner's trainable
     parameters, whose m and σ it is sent; `noise_rank`: z's rank per matrix, 0 full)."""
@@ -71,7 +71,7 @@ class BesideProcess:
         self.means, self.sigmas = _views(flat[:total], self.names, shapes), _views(flat[total:], self.names, shapes)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "threepo.services.learner.beside"], stdin=subprocess.PIPE,
+            self.proc = subprocess.Popen([sys.executable, "-m", "threepo.services.learner.drift_process"], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, env=env, pass_fds=(fd,))
         finally:
             os.close(fd)
