@@ -18,15 +18,15 @@ The rules it enforces:
   every rollout failed (dead), every one passed (solved) or all rewards were equal.
   Dead-group-aware exploration admits a dead (or, if configured, solved) prompt again as a new
   round — group ids `p<i>/g<g>/r<round>`, consumed once like any group — served from the plan with
-  every slot's σ multiplied by `dead_scale` (`solved_scale`), within a budget: at most
-  ⌈fraction · B⌉ re-admissions among the prompts of any step, at most `max_rounds` per prompt, and
+  every slot's σ multiplied by `dead_group_scale` (`solved_group_scale`), within a budget: at most
+  ⌈readmit_fraction · B⌉ re-admissions among the prompts of any step, at most `readmit_max` per prompt, and
   a waiting queue of one step's budget (a dead prompt finding it full is not re-admitted). A
   re-admission is an admission like any other, so it takes the place of a fresh prompt of a later
   step under the same staleness rule. "Rescued" counts the re-admissions of dead prompts in
   which at least one rollout succeeded. The DAPO dynamic filter drops a round whose rewards are
   all equal before the learner takes it and frees its admission, so another prompt (a waiting
   re-admission first, else a fresh one) is consumed by the same step in its place; at most
-  ⌈filter_fraction · B⌉ rounds per learner step are dropped, later ones go to the learner, which
+  ⌈filter_replacements · B⌉ rounds per learner step are dropped, later ones go to the learner, which
   leaves them out of its update (its own filter). Groups are consumed oldest admission first.
 
 The ledger holds ids, counts and (batch key, row) positions only — never completions: batches stay
@@ -65,8 +65,8 @@ class Ledger:
         self.stream, self.b, self.max_offpolicy = stream, prompts_per_step, max_offpolicy
         self.total_steps, self.mode, self.max_reissues, self.per_call = total_steps, mode, max_reissues, requests_per_call
         self.rule = readmission
-        self.readmit_cap = math.ceil(readmission.fraction * prompts_per_step)
-        self.filter_cap = math.ceil(readmission.filter_fraction * prompts_per_step)
+        self.readmit_cap = math.ceil(readmission.readmit_fraction * prompts_per_step)
+        self.filter_cap = math.ceil(readmission.filter_replacements * prompts_per_step)
         self.step = 0                 # learner steps consumed
         self.next_index = 0           # next fresh prompt of the stream
         self.admitted_prompts = 0     # admission counter of the staleness rule
@@ -230,7 +230,7 @@ class Ledger:
         groups = [self.groups[gid] for gid in rnd.groups]
         for g in groups:
             g.outcome = (rnd.ok == 0, rnd.ok == rnd.rows)
-        if self.rule.filter and rnd.lo == rnd.hi and self._dropped_this_step < self.filter_cap:
+        if self.rule.dynamic_filter and rnd.lo == rnd.hi and self._dropped_this_step < self.filter_cap:
             self._dropped_this_step += 1
             self.admitted_prompts -= 1  # its place in the step goes to the next admission
             for gid, g in zip(rnd.groups, groups):
@@ -252,8 +252,8 @@ class Ledger:
         if group.after_dead:
             c.retried_dead += 1
             c.rescued_dead += not dead
-        scale = rule.dead_scale if dead else (rule.solved_scale if solved and rule.solved_scale != 1.0 else None)
-        if scale is None or not self.readmit_cap or group.round >= rule.max_rounds:
+        scale = rule.dead_group_scale if dead else (rule.solved_group_scale if solved and rule.solved_group_scale != 1.0 else None)
+        if scale is None or not self.readmit_cap or group.round >= rule.readmit_max:
             return
         if len(self.explore) < self.readmit_cap:
             self.explore.append((group.prompt_index, group.round + 1, scale, dead))

@@ -28,20 +28,22 @@ OK = STATUSES.index(VerifyStatus.OK)
 
 @dataclass(frozen=True)
 class Readmission:
-    """What the ledger does with uninformative rounds (module docstring); from the run's AlgoConfig."""
+    """What the ledger does with uninformative rounds (module docstring): the run's `[algo]` settings, by their names."""
 
-    fraction: float = 0.0       # algo.readmit_fraction: re-admissions among a step's B prompts, ⌈fraction·B⌉ (0 = off)
-    max_rounds: int = 1         # algo.readmit_max: re-admissions of one prompt
-    dead_scale: float = 1.0     # algo.dead_group_scale: σ multiplier of a re-admitted all-fail prompt
-    solved_scale: float = 1.0   # algo.solved_group_scale: of an all-pass one (1 = solved ones are not re-admitted)
-    filter: bool = False        # algo.dynamic_filter: drop equal-reward rounds before the learner takes them
-    filter_fraction: float = 0.0  # algo.filter_replacements: most dropped rounds per learner step, ⌈·B⌉
+    readmit_fraction: float = 0.0   # re-admissions among a step's B prompts, ⌈fraction·B⌉ (0 = off)
+    readmit_max: int = 1            # re-admissions of one prompt
+    dead_group_scale: float = 1.0   # σ multiplier of a re-admitted all-fail prompt
+    solved_group_scale: float = 1.0  # of an all-pass one (1 = solved ones are not re-admitted)
+    dynamic_filter: bool = False    # drop equal-reward rounds before the learner takes them
+    filter_replacements: float = 0.0  # most dropped rounds per learner step, ⌈·B⌉
 
     @classmethod
     def of(cls, algo) -> Readmission:
-        return cls(fraction=algo.readmit_fraction, max_rounds=algo.readmit_max, dead_scale=algo.dead_group_scale,
-                   solved_scale=algo.solved_group_scale, filter=algo.dynamic_filter,
-                   filter_fraction=algo.filter_replacements if algo.dynamic_filter else 0.0)
+        """The `[algo]` settings of the same names (filter_replacements only with dynamic_filter)."""
+        return cls(readmit_fraction=algo.readmit_fraction, readmit_max=algo.readmit_max,
+                   dead_group_scale=algo.dead_group_scale, solved_group_scale=algo.solved_group_scale,
+                   dynamic_filter=algo.dynamic_filter,
+                   filter_replacements=algo.filter_replacements if algo.dynamic_filter else 0.0)
 
 
 @dataclass

@@ -193,7 +193,7 @@ def _arrive(ledger, requests, passed):
 
 
 def test_a_dead_prompt_comes_back_once_as_a_new_group_with_scaled_slots_and_a_rescue_is_counted():
-    ledger = _rule_ledger(Readmission(fraction=0.5, dead_scale=2.0))  # B = 2: one re-admission per step
+    ledger = _rule_ledger(Readmission(readmit_fraction=0.5, dead_group_scale=2.0))  # B = 2: one re-admission per step
     first = ledger.admit(learner_busy=False)  # prompts 0..3 (steps 0 and 1)
     _arrive(ledger, first, {"p0/g0": 0, "p1/g0": 1, "p2/g0": 2, "p3/g0": 1})
     assert not ledger.explore  # nothing is re-admitted before the dead round is consumed
@@ -219,14 +219,14 @@ def test_a_dead_prompt_comes_back_once_as_a_new_group_with_scaled_slots_and_a_re
 
 
 def test_the_readmission_budget_and_solved_prompts():
-    ledger = _rule_ledger(Readmission(fraction=0.5, dead_scale=2.0, solved_scale=0.5))
+    ledger = _rule_ledger(Readmission(readmit_fraction=0.5, dead_group_scale=2.0, solved_group_scale=0.5))
     first = ledger.admit(learner_busy=False)
     _arrive(ledger, first, {"p0/g0": 0, "p1/g0": 0, "p2/g0": 4, "p3/g0": 1})  # two dead in step 0, p2 solved
     ledger.take()
     assert list(ledger.explore) == [(0, 1, 2.0, True)] and ledger.counts.readmit_dropped == 1  # queue: one step's budget
     ledger.take()
     assert ledger.counts.readmit_dropped == 2 and ledger.counts.solved_prompts == 1  # p2's queue place was taken
-    plain = _rule_ledger(Readmission(fraction=0.5))  # solved_scale 1: all-pass prompts are not re-admitted
+    plain = _rule_ledger(Readmission(readmit_fraction=0.5))  # solved_group_scale 1: all-pass prompts are not re-admitted
     requests = plain.admit(learner_busy=False)
     _arrive(plain, requests, {"p0/g0": 4, "p1/g0": 4})
     plain.take()
@@ -234,7 +234,7 @@ def test_the_readmission_budget_and_solved_prompts():
 
 
 def test_grpo_retries_a_dead_prompt_at_the_mean():
-    ledger = _rule_ledger(Readmission(fraction=1.0), kind="grpo", slots=1)
+    ledger = _rule_ledger(Readmission(readmit_fraction=1.0), kind="grpo", slots=1)
     requests = ledger.admit(learner_busy=False)
     _arrive(ledger, requests, {})
     ledger.take()
@@ -243,7 +243,7 @@ def test_grpo_retries_a_dead_prompt_at_the_mean():
 
 
 def test_the_dynamic_filter_replaces_equal_reward_prompts_within_its_budget():
-    ledger = _rule_ledger(Readmission(filter=True, filter_fraction=0.5))  # one replacement per learner step
+    ledger = _rule_ledger(Readmission(dynamic_filter=True, filter_replacements=0.5))  # one replacement per learner step
     first = ledger.admit(learner_busy=False)  # prompts 0..3
     _arrive(ledger, first, {"p0/g0": 0, "p1/g0": 1, "p2/g0": 4, "p3/g0": 2})
     assert ledger.counts.dropped_groups == 1 and ledger.ready() == 3  # p0 dropped, p2 over budget: ready
@@ -261,7 +261,7 @@ def test_the_dynamic_filter_replaces_equal_reward_prompts_within_its_budget():
 
 
 def test_resume_keeps_rounds_queue_and_consumed_readmissions():
-    rule = Readmission(fraction=0.5, dead_scale=2.0)
+    rule = Readmission(readmit_fraction=0.5, dead_group_scale=2.0)
     ledger = _rule_ledger(rule)
     first = ledger.admit(learner_busy=False)
     _arrive(ledger, first, {"p0/g0": 0, "p1/g0": 1, "p2/g0": 0, "p3/g0": 1})
