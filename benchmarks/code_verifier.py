@@ -139,7 +139,7 @@ def main() -> None:
     local_output = code_output(wall_timeout_s=args.run_timeout, max_parallel=args.concurrency)
     remote = RemoteSandboxVerifier(RemoteSandboxConfig(endpoints=(f"http://127.0.0.1:{port}",),
                                                        run_timeout_s=args.run_timeout,
-                                                       max_concurrency=args.concurrency))
+                                                       process_concurrency=args.concurrency))
     out: dict = {"args": vars(args), "sets": {}}
     rows = []
 

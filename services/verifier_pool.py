@@ -123,6 +123,8 @@ class VerifierConfig:
     """Compile limit sent to the sandbox."""
     run_timeout_s: float = 10.0
     """Run limit sent to the sandbox."""
+    memory_limit_mb: int = -1
+    """Memory limit sent to the sandbox as `memory_limit_MB` (-1: the service's own default)."""
     request_margin_s: float = 10.0
     """Per-request deadline = queue_timeout_s + compile_timeout_s + run_timeout_s + this; past it the
     request is retried."""
@@ -184,7 +186,8 @@ class VerifierConfig:
         try:
             return RemoteSandboxConfig(
                 endpoints=self.endpoints, compile_timeout_s=self.compile_timeout_s,
-                run_timeout_s=self.run_timeout_s, request_margin_s=self.request_margin_s,
+                run_timeout_s=self.run_timeout_s, memory_limit_mb=self.memory_limit_mb,
+                request_margin_s=self.request_margin_s,
                 queue_timeout_s=self.queue_timeout_s, max_attempts=self.max_attempts, backoff_base_s=self.backoff_base_s,
                 backoff_max_s=self.backoff_max_s, jitter=self.jitter, unhealthy_after=self.unhealthy_after,
                 cooldown_s=self.cooldown_s, outage_s=self.outage_s, auth_token=token,

@@ -86,8 +86,9 @@ class RemoteSandboxConfig:
     """How long an open breaker waits before letting one probe request through (half-open)."""
     outage_s: float = 180.0
     """When no endpoint has answered any request for this long, a waiting call raises VerifierOutage."""
-    max_concurrency: int = 64
-    """Size of the default per-process semaphore (ignored when a limiter is injected)."""
+    process_concurrency: int = 64
+    """HTTP requests in flight from this process when no limiter is injected (a run injects the
+    cluster-wide one, deploy/limiter.py, and its verifier pool bounds verifications per actor)."""
     auth_token: str = ""
     """Sent as `<auth_header>: Bearer <auth_token>` when set (a run reads it from the environment
     variable `verifier.auth_env`, never from a config file)."""
@@ -102,7 +103,10 @@ class RemoteSandboxConfig:
                                          for e in self.endpoints):
             raise ValueError(f"RemoteSandboxConfig.endpoints: expected http(s) URLs, "
                              f"got {self.endpoints!r}")
-        for name in ("max_attempts", "unhealthy_after", "max_concurrency"):
+        if self.memory_limit_mb != -1 and self.memory_limit_mb < 1:
+            raise ValueError(f"RemoteSandboxConfig.memory_limit_mb: expected -1 (the service's default) or >= 1, "
+                             f"got {self.memory_limit_mb}")
+        for name in ("max_attempts", "unhealthy_after", "process_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RemoteSandboxConfig.{name}: expected >= 1, "
                                  f"got {getattr(self, name)}")
@@ -146,7 +150,7 @@ class SandboxClient:
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep) -> None:
         self.config = config or RemoteSandboxConfig()
-        self.limiter = limiter or asyncio.Semaphore(self.config.max_concurrency)
+        self.limiter = limiter or asyncio.Semaphore(self.config.process_concurrency)
         self._endpoints = [_Endpoint(url.rstrip("/")) for url in self.config.endpoints]
         self._next = 0
         self._rng = random.Random(self.config.seed)

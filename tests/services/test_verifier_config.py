@@ -21,7 +21,8 @@ ROUTE = 'verifier.route=[["code_output", "remote_sandbox"]]'
 def test_verifier_section_from_the_command_line_round_trips(tmp_path, monkeypatch):
     monkeypatch.setenv("SANDBOX_TOKEN", "s3cret")
     cfg = load_config(None, [ROUTE, 'verifier.endpoints=["http://a:1", "https://b:2"]',
-                             "verifier.auth_env=SANDBOX_TOKEN", "verifier.outage_s=60", "verifier.cluster_concurrency=16"])
+                             "verifier.auth_env=SANDBOX_TOKEN", "verifier.outage_s=60", "verifier.cluster_concurrency=16",
+                             "verifier.memory_limit_mb=512"])
     v = cfg.verifier
     assert v.route == (("code_output", "remote_sandbox"),) and v.endpoints == ("http://a:1", "https://b:2")
     assert v.outage_s == 60.0 and v.cluster_concurrency == 16
@@ -31,6 +32,7 @@ def test_verifier_section_from_the_command_line_round_trips(tmp_path, monkeypatc
     assert load_config(str(tmp_path / "run.toml")).verifier == v
     remote = v.remote_config()  # read from the environment only now
     assert remote.auth_token == "s3cret" and remote.endpoints == v.endpoints and remote.outage_s == 60.0
+    assert remote.memory_limit_mb == 512  # every remote field of the run's section reaches the client
 
 
 @pytest.mark.parametrize("override,message", [
@@ -40,6 +42,7 @@ def test_verifier_section_from_the_command_line_round_trips(tmp_path, monkeypatc
     ("verifier.max_attempts=0", "verifier.max_attempts: expected >= 1"),
     ("verifier.unhealthy_after=0", "verifier.unhealthy_after: expected >= 1"),
     ("verifier.cluster_concurrency=-1", "verifier.cluster_concurrency: expected >= 0"),
+    ("verifier.memory_limit_mb=0", "verifier.memory_limit_mb: expected -1 (the service's default) or >= 1"),
     ("verifier.jitter=2", "jitter"),
     ('verifier.auth_env="Bearer abc"', "verifier.auth_env: expected the NAME of an environment variable"),
     ('verifier.route=[["code_output"]]', "verifier.route: expected [row verifier, verifier] pairs"),
