@@ -53,3 +53,19 @@ def test_two_steps_of_c3po_on_a_gsm8k_file_with_smollm2(tmp_path, smollm2_path):
     if any(r["truncated_rate"] > 0.05 for r in rows):
         assert "ended at the length limit" in result.stderr + out  # 16 tokens cut most worked answers
     assert os.path.isfile(os.path.join(run_dir, "final", "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_smollm2_scores_on_a_gsm8k_file_with_the_defaults_greedy(tmp_path, smollm2_path):
+    # the first thing a user tries: their model, a GSM8K-shaped file, nothing else but greedy decoding.
+    # The defaults must score: the model's chat template, a generation limit that fits worked answers,
+    # and GSM8K's own last-number extraction (SmolLM2 rarely boxes an answer).
+    data = write_gsm8k(str(tmp_path / "word_problems.jsonl"), 120, difficulty=1)
+    threepo = os.path.join(os.path.dirname(sys.executable), "threepo")
+    result = subprocess.run([threepo, "eval", f"model.path={smollm2_path}", f"data.path={data}", "data.format=gsm8k",
+                             "eval.temperature=0", "eval.samples_per_item=1", f"runs_dir={tmp_path}/runs"],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = next(os.path.join(tmp_path, "runs", d) for d in os.listdir(tmp_path / "runs"))
+    report = json.load(open(os.path.join(run_dir, "eval.json")))
+    assert report["pass_at_1"] > 0, report
