@@ -31,7 +31,7 @@ from threepo.services.learner.config import AlgoConfig, LearnerConfig, VP2OConfi
 from threepo.services.learner.optim_config import OptimConfig, SyncConfig
 from threepo.services.lora import LoRAConfig, check_lora
 from threepo.services.modeling import ModelConfig
-from threepo.services.prompting import PromptConfig
+from threepo.services.prompting import NUMBER_INSTRUCTION, PromptConfig
 from threepo.services.tasks import TaskConfig, max_new_tokens_for
 from threepo.services.verifier_pool import VerifierConfig
 
@@ -196,6 +196,10 @@ class RunConfig:
             # GSM8K's own scoring is its flexible extraction: the last number (a boxed answer still wins)
             object.__setattr__(self, "verifier", dataclasses.replace(
                 self.verifier, options=(*self.verifier.options, ("math", "answer", "last_number"))))
+        if (self.data.path and self.data.format == "gsm8k" and self.prompt.instruction == "auto"
+                and ("math", "answer", "last_number") in self.verifier.options):
+            # the boxed instruction asks for what last-number scoring does not need (SmolLM2 boxes wrong numbers)
+            object.__setattr__(self, "prompt", dataclasses.replace(self.prompt, instruction=NUMBER_INSTRUCTION))
 
 
 def _check_sampler(sampler: SamplerConfig, runtime: RuntimeConfig) -> None:

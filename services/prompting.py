@@ -32,6 +32,9 @@ from dataclasses import dataclass
 from threepo.services.errors import UserInputError
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+# What `instruction = "auto"` becomes for a GSM8K-shaped file scored by its last number (deploy/config.py):
+# on SmolLM2-135M it keeps answers short (~34 tokens) and lifts greedy pass@1 (benchmarks/README.md, issue 39).
+NUMBER_INSTRUCTION = "Answer briefly: give the answer as a single number at the end."
 CODE_INSTRUCTION = "Write the complete Python solution in one ```python code block."
 _TURN_MARK = "\u2063threepo-end-of-turn\u2063"  # a text no template changes, to find what follows a turn
 
@@ -49,7 +52,8 @@ class PromptConfig:
     """Appended to every question after a blank line. `auto`: "Please reason step by step, and put your
     final answer within \\boxed{}." for items scored by the math verifier, "Write the complete Python
     solution in one ```python code block." for `code_tests` items, when a chat template is applied;
-    nothing otherwise; '' = nothing."""
+    nothing otherwise ('' = nothing). With `data.format=gsm8k` scored by the last number (its default),
+    auto is NUMBER_INSTRUCTION ("Answer briefly: give the answer as a single number at the end.")."""
 
     def __post_init__(self) -> None:
         if self.template not in ("auto", "none") and not os.path.isfile(self.template):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from threepo.deploy.config import ConfigError, RunConfig, load_config, to_toml
+from threepo.services.prompting import NUMBER_INSTRUCTION
 
 
 def test_defaults_and_overrides():
@@ -97,8 +98,9 @@ def test_eval_k_follows_samples_per_item_unless_set():
 def test_gsm8k_files_score_the_last_number_unless_told_otherwise(tmp_path):
     gsm8k = load_config(None, ["data.path=x.jsonl", "data.format=gsm8k"])
     assert gsm8k.verifier.options == (("math", "answer", "last_number"),)
+    assert gsm8k.prompt.instruction == NUMBER_INSTRUCTION  # not the boxed instruction it does not score by
     boxed = load_config(None, ["data.path=x.jsonl", "data.format=gsm8k", 'verifier.options=[["math", "answer", "boxed"]]'])
-    assert boxed.verifier.options == (("math", "answer", "boxed"),)
+    assert boxed.verifier.options == (("math", "answer", "boxed"),) and boxed.prompt.instruction == "auto"
     assert load_config(None, ["data.path=x.jsonl"]).verifier.options == ()  # prompt_answer keeps the boxed rule
     path = tmp_path / "config.toml"
     path.write_text(to_toml(gsm8k))
