@@ -18,6 +18,8 @@ from threepo.services.engines.base import EngineRequest, SamplerConfig
 from threepo.services.messages import NoiseSpec, SamplingParams
 from threepo.services.prompting import BOXED_INSTRUCTION, PromptConfig, PromptEncoder
 
+pytestmark = pytest.mark.slow  # the real SmolLM2 on every engine (the fast tier keeps the tiny models)
+
 QUESTIONS = ("Tom has 12 apples and buys 7 more. How many apples does he have now?",
              "A box holds 6 pens. How many pens are in 3 boxes?")
 CFG = dict(batch_size=16, seed=0, max_new_tokens=24)

@@ -137,6 +137,7 @@ async def _remote_statuses(completions: list[str]) -> list:
         await runner.cleanup()
 
 
+@pytest.mark.slow
 def test_the_sandbox_service_scores_every_route_as_the_local_verifier_does():
     completions = [c for _, c, _ in TAMPERS] + ["    return a + b\n", fenced(RIGHT + "print('x' * 10 ** 7)\n")]
     remote = asyncio.run(_remote_statuses(completions))

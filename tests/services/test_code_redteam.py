@@ -138,6 +138,7 @@ async def _remote(requests: list[VerifyRequest]) -> list:
         await runner.cleanup()
 
 
+@pytest.mark.slow
 def test_the_sandbox_service_scores_every_route_as_the_local_verifier_does():
     requests = [VerifyRequest(item(tests), completion) for _, tests, completion in ROUTES]
     for (route, tests, completion), r in zip(ROUTES, asyncio.run(_remote(requests))):

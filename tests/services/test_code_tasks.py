@@ -40,6 +40,7 @@ def test_example_item_and_bad_difficulty():
 
 @pytest.mark.skipif(shutil.which("bwrap") is None,
                     reason="bubblewrap missing: apt-get install -y bubblewrap")
+@pytest.mark.slow
 def test_every_reference_solution_verifies_ok():
     verifier = load_verifier("code_output")
     batch = [i for d in (1, 2, 3) for split, n in (("train", 30), ("heldout", 10))
