@@ -138,7 +138,7 @@ async def _remote_statuses(completions: list[str]) -> list:
 
 
 @pytest.mark.slow
-def test_the_sandbox_service_scores_every_route_as_the_local_verifier_does():
+def test_the_sandbox_service_scores_every_tampering_as_the_local_verifier_does():
     completions = [c for _, c, _ in TAMPERS] + ["    return a + b\n", fenced(RIGHT + "print('x' * 10 ** 7)\n")]
     remote = asyncio.run(_remote_statuses(completions))
     for completion, r in zip(completions, remote):
