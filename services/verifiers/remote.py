@@ -13,7 +13,7 @@ threepo's service, code_output items run on either.
 
 How it calls (operations.md §3.4, §3.6):
 - every HTTP call holds the injected limiter (`async with limiter:`) while it is on the wire, never
-  while it waits; the default is a per-process `asyncio.Semaphore`,
+  while it waits; the default is a per-process `asyncio.Semaphore` of `process_concurrency`,
   `threepo.deploy.limiter.ClusterLimiter` is cluster-wide;
 - a request may wait for a worker at the service `queue_timeout_s` (header `X-Threepo-Start-By-S`:
   started by then or answered 504 unrun); its deadline is that + compile + run timeout + margin, so
