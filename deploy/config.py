@@ -19,6 +19,7 @@ import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Literal
 
 from threepo.services.bootstrap import BootstrapConfig
@@ -191,15 +192,14 @@ class RunConfig:
             limit = (MAX_NEW_TOKENS[self.data.format] if self.data.path
                      else max_new_tokens_for(self.task.family, self.task.difficulty))
             object.__setattr__(self, "sampler", dataclasses.replace(self.sampler, max_new_tokens=limit))
-        if self.data.path and self.data.format == "gsm8k" and not any(
-                (verifier, option) == ("math", "answer") for verifier, option, _ in self.verifier.options):
-            # GSM8K's own scoring is its flexible extraction: the last number (a boxed answer still wins)
-            object.__setattr__(self, "verifier", dataclasses.replace(
-                self.verifier, options=(*self.verifier.options, ("math", "answer", "last_number"))))
-        if (self.data.path and self.data.format == "gsm8k" and self.prompt.instruction == "auto"
-                and ("math", "answer", "last_number") in self.verifier.options):
-            # the boxed instruction asks for what last-number scoring does not need (SmolLM2 boxes wrong numbers)
-            object.__setattr__(self, "prompt", dataclasses.replace(self.prompt, instruction=NUMBER_INSTRUCTION))
+        if self.data.path and self.data.format == "gsm8k":
+            # GSM8K's own scoring is its flexible extraction, the last number (a boxed answer still wins), and
+            # then the instruction asks for a number, not a box (SmolLM2 boxes wrong numbers)
+            if not any((verifier, option) == ("math", "answer") for verifier, option, _ in self.verifier.options):
+                object.__setattr__(self, "verifier", dataclasses.replace(
+                    self.verifier, options=(*self.verifier.options, ("math", "answer", "last_number"))))
+            if self.prompt.instruction == "auto" and ("math", "answer", "last_number") in self.verifier.options:
+                object.__setattr__(self, "prompt", dataclasses.replace(self.prompt, instruction=NUMBER_INSTRUCTION))
 
 
 def _check_sampler(sampler: SamplerConfig, runtime: RuntimeConfig) -> None:
@@ -334,18 +334,25 @@ def _set_path(tree: dict[str, Any], keys: list[str], value: Any) -> None:
     tree[keys[-1]] = value
 
 
-def to_toml(cfg: Any) -> str:
-    """The resolved config as TOML (scalars at the top, one table per section)."""
-    top, tables = [], []
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            body = "\n".join(f"{g.name} = {toml_value(getattr(value, g.name))}"
-                             for g in dataclasses.fields(value))
-            tables.append(f"[{f.name}]\n{body}\n")
-        else:
-            top.append(f"{f.name} = {toml_value(value)}")
-    return "\n".join(top) + "\n\n" + "\n".join(tables)
+def sections(cfg: Any) -> list[tuple[str, Any, list[dataclasses.Field]]]:
+    """('', cfg, its scalar fields), then (name, section, its scalar fields) for each section of `cfg`,
+    in declaration order: the walk every writer of a config (TOML, the settings reference) takes."""
+    def scalars(obj: Any) -> list[dataclasses.Field]:
+        return [f for f in dataclasses.fields(obj) if not dataclasses.is_dataclass(getattr(obj, f.name))]
+    return [("", cfg, scalars(cfg))] + [(f.name, getattr(cfg, f.name), scalars(getattr(cfg, f.name)))
+                                        for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name))]
+
+
+def to_toml(cfg: Any, comments: Callable[[Any, str | None], list[str]] | None = None) -> str:
+    """The resolved config as TOML (scalars at the top, one table per section). `comments(section,
+    field name)` gives comment lines to write above a value (`None` for the name: above a table)."""
+    out = []
+    for name, section, scalars in sections(cfg):
+        if name:
+            out += ["", f"[{name}]", *(comments(section, None) if comments else [])]
+        for f in scalars:
+            out += [*(comments(section, f.name) if comments else []), f"{f.name} = {toml_value(getattr(section, f.name))}"]
+    return "\n".join(out) + "\n"
 
 
 def toml_value(value: Any) -> str:

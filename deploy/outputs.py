@@ -118,11 +118,11 @@ def step_summary(row: dict) -> str:
     policy, gradient norm, tokens per second over the engines, the learner's peak memory, version and
     staleness (a figure the step did not report is left out)."""
     tokens = sum(v for k, v in row.items() if k.startswith("tokens_per_s/"))
-    parts = [("reward", row.get("reward_mean"), ".2f"), ("loss", row.get("loss"), ".3g"),
-             ("kl", row.get("kl_k3"), ".2g"), ("|g|", row.get("grad_norm"), ".3g"),
-             ("tok/s", tokens or None, ".0f"), ("mem", row.get("learner_peak_mib"), ".0f")]
-    text = " ".join(f"{name} {value:{spec}}" for name, value, spec in parts if value is not None)
-    return f"{text}{' MiB' if 'learner_peak_mib' in row else ''} v{row.get('version')} stale {row.get('staleness_max', 0):.0f}"
+    parts = [("reward", row.get("reward_mean"), ".2f", ""), ("loss", row.get("loss"), ".3g", ""),
+             ("kl", row.get("kl_k3"), ".2g", ""), ("|g|", row.get("grad_norm"), ".3g", ""),
+             ("tok/s", tokens or None, ".0f", ""), ("mem", row.get("learner_peak_mib"), ".0f", " MiB")]
+    text = " ".join(f"{name} {value:{spec}}{unit}" for name, value, spec, unit in parts if value is not None)
+    return f"{text} v{row.get('version')} stale {row.get('staleness_max', 0):.0f}"
 
 
 def record_driver_metrics(handles: dict, row: dict, counts, reported: dict) -> None:

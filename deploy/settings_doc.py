@@ -16,7 +16,7 @@ import textwrap
 from functools import cache
 from typing import Any
 
-from threepo.deploy.config import RunConfig, toml_value
+from threepo.deploy.config import RunConfig, sections, to_toml, toml_value
 
 REFERENCE = "docs/settings.md"
 
@@ -35,29 +35,17 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _sections(cfg: Any) -> list[tuple[str, Any]]:
-    """('', the top-level scalars' dataclass) then (section name, section) in declaration order."""
-    return [("", cfg)] + [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
-                          if dataclasses.is_dataclass(getattr(cfg, f.name))]
-
-
-def _scalars(section: Any) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(section) if not dataclasses.is_dataclass(getattr(section, f.name))]
+def _comments(section: Any, name: str | None) -> list[str]:
+    """A table's summary line, or a field's meaning, as TOML comments."""
+    if name is None:
+        return [f"# {line}".rstrip() for line in (inspect.getdoc(type(section)) or "").splitlines()[:1]]
+    return [f"#   {line}".rstrip() for line in field_docs(type(section)).get(name, "").splitlines()]
 
 
 def documented_toml(cfg: Any) -> str:
     """The resolved config as TOML with each field's meaning as comments above it (still valid TOML:
     a recipe that documents itself)."""
-    out = []
-    for name, section in _sections(cfg):
-        if name:
-            out.append(f"\n[{name}]")
-            out += [f"# {line}".rstrip() for line in (inspect.getdoc(type(section)) or "").splitlines()[:1]]
-        docs = field_docs(type(section))
-        for f in _scalars(section):
-            out += [f"#   {line}".rstrip() for line in docs.get(f.name, "").splitlines()]
-            out.append(f"{f.name} = {toml_value(getattr(section, f.name))}")
-    return "\n".join(out).lstrip("\n") + "\n"
+    return to_toml(cfg, comments=_comments)
 
 
 def settings_reference(schema: type = RunConfig) -> str:
@@ -70,13 +58,13 @@ def settings_reference(schema: type = RunConfig) -> str:
            "`threepo train --show-config` prints the same meanings beside a run's resolved values. Defaults",
            "shown are those of the embedded default run (a value resolved from others, such as",
            "`sampler.max_new_tokens` or `optim.lr = \"auto\"`, shows what it resolves to there).", ""]
-    for name, section in _sections(defaults):
+    for name, section, scalars in sections(defaults):
         docs = field_docs(type(section))
         title = f"`[{name}]`" if name else "Top level"
         summary = (inspect.getdoc(type(section)) or "").split("\n\n")[0].replace("\n", " ")
         out += [f"## {title}", "", f"{summary} (`{type(section).__module__}.{type(section).__name__}`)", "",
                 "| setting | default | meaning |", "|---|---|---|"]
-        for f in _scalars(section):
+        for f in scalars:
             key = f"{name}.{f.name}" if name else f.name
             meaning = docs.get(f.name, "").replace("\n", " ").replace("|", "\\|")
             value = toml_value(getattr(section, f.name)).replace("|", "\\|")
@@ -87,8 +75,8 @@ def settings_reference(schema: type = RunConfig) -> str:
 
 def undocumented(schema: type = RunConfig) -> list[str]:
     """`section.field` of every setting without a docstring."""
-    return [f"{name}.{f.name}" if name else f.name for name, section in _sections(schema())
-            for f in _scalars(section) if f.name not in field_docs(type(section))]
+    return [f"{name}.{f.name}" if name else f.name for name, section, scalars in sections(schema())
+            for f in scalars if f.name not in field_docs(type(section))]
 
 
 if __name__ == "__main__":
