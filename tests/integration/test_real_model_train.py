@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from threepo.services.batching import logged_groups
-from threepo.services.prompting import PromptConfig, PromptEncoder
+from threepo.deploy.config import load_config
+from threepo.services.prompting import NUMBER_INSTRUCTION, PromptEncoder
 from threepo.services.word_problems import write_gsm8k
 
 pytestmark = pytest.mark.ray
@@ -39,7 +40,9 @@ def test_two_steps_of_c3po_on_a_gsm8k_file_with_smollm2(tmp_path, smollm2_path):
     assert {"driver", "learner", "posterior", "sampler-0", "verifier-0"} <= set(summary["peak_memory_mb"])
     assert "evaluator" not in summary["peak_memory_mb"]  # a run that does not evaluate while training has none
     # what the learner trained on is the chat template's prompt and completions that end a turn or hit the limit
-    encoder = PromptEncoder.from_path(smollm2_path, PromptConfig())
+    cfg = load_config(os.path.join(run_dir, "config.toml"))
+    assert cfg.prompt.instruction == NUMBER_INSTRUCTION  # data.format=gsm8k asks for a number, not a box
+    encoder = PromptEncoder.from_path(smollm2_path, cfg.prompt)
     groups = list(logged_groups(os.path.join(run_dir, "rollouts.log")))
     assert len(groups) == 4
     for group in groups:
