@@ -19,7 +19,7 @@ so every process derives the same plan, unless the learner's noise control chose
 σ scale (`noise_seed`, `ExplorationPlan.with_slots`: held to a target KL, a slot over the gate redrawn).
 A slot carries a σ multiplier c (`Slot.scale`, θ̂ = m + c · σ ⊙ z): 1 in the plans `make_plan` builds;
 `ExplorationPlan.scaled` multiplies it for a re-admitted prompt (dead-group-aware exploration,
-deploy/bookkeeping.py).
+services/ledger/ledger.py).
 The gradient sample is fresh for every learner update
 (`update_seed`, `gradient_points`): a version lives for several learner steps (the sync budget), and
 IVON's Price estimate ĥ = λ(h+δ) ε ⊙ ĝ assumes a new ε every step (§1.2), so B3PO and M3PO cannot
@@ -134,7 +134,7 @@ def noise_seed(base_seed: int, step: int, slot: int, draw: int) -> int:
 
 def redraw_seed(seed: int, draw: int) -> int:
     """Seed of redraw `draw` ≥ 1 of a slot whose seed is `seed`, when the KL gate finds the slot far
-    over its target where it is served (services/sampler.py): blake2b(seed, "redraw<draw>"). A pure
+    over its target where it is served (services/sampling/sampler.py): blake2b(seed, "redraw<draw>"). A pure
     function of the slot's own seed, so a sampler redraws without knowing how the seed was chosen."""
     if draw < 1:
         raise ValueError(f"draw must be >= 1 (draw 0 is the slot's own seed), got {draw}")

@@ -5,7 +5,7 @@ filtering), so that the learner's importance weights compare like with like (alg
 Per-request seeds: `row_uniforms` is a counter-based stream (splitmix64 of seed and step), so the
 draw of one row depends only on its own seed and position — not on which other requests share the
 batch, nor on anything sampled before. Not here: the decoding loop and KV cache
-(services/engines/hf.py).
+(services/sampling/engines/hf.py).
 """
 
 from __future__ import annotations

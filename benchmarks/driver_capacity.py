@@ -6,7 +6,7 @@ Everything but the driver and the posterior server is a fake with the real actor
 the driver (deploy/run.py `run`, with its Ledger, RunLog and Prometheus metrics) is the only real
 work left:
 - `FakeSampler.generate(requests, weights)` returns (GenerateReport, CompletionBatch) built with
-  services/batching.py `completion_batch` / `report_of` from canned samples (`--tokens` tokens
+  services/wire/batching.py `completion_batch` / `report_of` from canned samples (`--tokens` tokens
   each), loading a version's (mean, σ, checksum) by reference as SamplerActor does;
 - `FakeVerifier.score(batch)` returns a ScoreBatch at once (every row `ok`, rewards alternating);
 - `FakeLearner` has the LearnerActor methods the driver calls: `step(groups, n_batches, *arrays)`
@@ -66,8 +66,8 @@ class FakeSampler:
     def __init__(self, engine_id: int, tokens: int) -> None:
         import uuid
 
-        import threepo.services.batching  # noqa: F401  (imported here, not in the first timed call)
-        from threepo.services.engines.base import GeneratedSample
+        import threepo.services.wire.batching  # noqa: F401  (imported here, not in the first timed call)
+        from threepo.services.wire.messages import GeneratedSample
 
         self.engine_id, self.incarnation = engine_id, uuid.uuid4().hex[:8]
         self.version, self.checksum, self.seq_no, self.calls = None, "", 0, 0
@@ -78,7 +78,7 @@ class FakeSampler:
     def generate(self, requests: list, weights: list) -> tuple:
         import ray
 
-        from threepo.services.batching import completion_batch, report_of
+        from threepo.services.wire.batching import completion_batch, report_of
 
         version = requests[0].policy_version
         if self.version != version:
@@ -98,12 +98,12 @@ class FakeSampler:
 
 class FakeVerifier:
     def __init__(self) -> None:
-        import threepo.services.messages  # noqa: F401
+        import threepo.services.wire.messages  # noqa: F401
 
     def score(self, batch):
         import numpy as np
 
-        from threepo.services.messages import ScoreBatch
+        from threepo.services.wire.messages import ScoreBatch
 
         rows = len(batch.texts)
         return ScoreBatch(statuses=np.zeros(rows, dtype=np.uint8),
@@ -139,7 +139,7 @@ class FakeLearner:
         return result, self.published("budget") if publish else None
 
     def published(self, reason: str = ""):
-        from threepo.services.messages import PublishedVersion
+        from threepo.services.wire.messages import PublishedVersion
 
         return PublishedVersion(learner_step=self.steps, reason=reason, mean=self.mean, sigma=self.sigma,
                                 mean_checksum=self.checksum)

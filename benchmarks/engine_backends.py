@@ -27,9 +27,9 @@ def engine_figures(backend: str, model: str, prompts: list[str], max_new_tokens:
 
     from threepo.algorithms.weight_checks import weights_checksum
     from threepo.deploy.actors import make_engine
-    from threepo.services.engines.base import EngineRequest, SamplerConfig
-    from threepo.services.messages import NoiseSpec, SamplingParams
-    from threepo.services.modeling import load_model, trainable_named_parameters
+    from threepo.services.model.modeling import load_model, trainable_named_parameters
+    from threepo.services.sampling.engines.base import EngineRequest, SamplerConfig
+    from threepo.services.wire.messages import NoiseSpec, SamplingParams
 
     started = time.perf_counter()
     engine = make_engine(model, SamplerConfig(backend=backend, batch_size=len(prompts), threads=1), 0, "float32")
@@ -38,7 +38,7 @@ def engine_figures(backend: str, model: str, prompts: list[str], max_new_tokens:
     sigma = {n: np.full(a.shape, 0.01, np.float32) for n, a in mean.items()}
     checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())
     engine.load_version(1, mean, sigma, checksum)
-    from threepo.services.prompting import PromptConfig, PromptEncoder
+    from threepo.services.tasks.prompting import PromptConfig, PromptEncoder
 
     encoder = PromptEncoder.from_path(model, PromptConfig())
     requests = [EngineRequest(encoder.encode(p), 1, 1000 + i) for i, p in enumerate(prompts)]

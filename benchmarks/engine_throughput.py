@@ -25,7 +25,7 @@ MAX_NEW_TOKENS = 16
 def measure(engine, prompts: list, seconds: float, deadline: float | None = None) -> tuple[int, float]:
     """(generated tokens, elapsed seconds) of repeated generate calls over `prompts`; with `deadline`
     (a time.time() value) calls run until then instead of for `seconds`."""
-    from threepo.services.messages import SamplingParams
+    from threepo.services.wire.messages import SamplingParams
 
     params = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, n=1)
     tokens, calls, start = 0, 0, time.perf_counter()
@@ -41,7 +41,7 @@ def measure(engine, prompts: list, seconds: float, deadline: float | None = None
 def slot_step(engine, prompts: list, slots: int, seconds: float, together: bool) -> tuple[int, float]:
     """(generated tokens, elapsed seconds) of repeated C3PO steps: `slots` seeded slots of the held
     version, each sampling `prompts` once, one slot at a time or all in one `generate_slots` call."""
-    from threepo.services.messages import NoiseSpec, SamplingParams
+    from threepo.services.wire.messages import NoiseSpec, SamplingParams
 
     params = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, n=1)
     tokens, calls, start = 0, 0, time.perf_counter()
@@ -69,8 +69,8 @@ def sample_slots(engine, groups: list, params, together: bool) -> int:
 
 
 def make_engine(model: str, threads: int, batch: int, engine_id: int = 0):
-    from threepo.services.engines.base import SamplerConfig
-    from threepo.services.engines.hf import HFEngine
+    from threepo.services.sampling.engines.base import SamplerConfig
+    from threepo.services.sampling.engines.hf import HFEngine
 
     return HFEngine(model, SamplerConfig(threads=threads, batch_size=batch, max_new_tokens=MAX_NEW_TOKENS),
                     engine_id=engine_id)

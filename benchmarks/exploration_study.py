@@ -90,9 +90,9 @@ def expert_diversity(path: str, cfg) -> float:
     """1 − L_orth of the checkpoint at `path` over held-out prompts (see the module docstring)."""
     import torch
 
-    from threepo.services.datasets import eval_items
-    from threepo.services.modeling import load_model, load_tokenizer
     from threepo.services.learner.vp2o import VP2OConfig, VP2OHooks
+    from threepo.services.model.modeling import load_model, load_tokenizer
+    from threepo.services.tasks.datasets import eval_items
 
     model, tokenizer = load_model(path).eval(), load_tokenizer(path)
     hooks = VP2OHooks(model, VP2OConfig())
@@ -109,8 +109,7 @@ def expert_diversity(path: str, cfg) -> float:
 def one_run(task: str, arm: str, seed: int, model: str, recipe: str | None, overrides: list[str], args) -> dict:
     """Train one arm, evaluate its final checkpoint on the task's held-out tier and every tier."""
     from threepo.deploy.commands import evaluate_policy
-
-    from threepo.services.tasks import max_new_tokens_for
+    from threepo.services.tasks.synthetic import max_new_tokens_for
 
     runs_dir = os.path.join(OUT, task, arm, f"s{seed}")
     os.makedirs(runs_dir, exist_ok=True)
@@ -194,7 +193,7 @@ def plan(args) -> list[tuple]:
 
 def real_overrides(args) -> list[str]:
     """The word-problem file (written once, 10% held out) and the real-model task's settings."""
-    from threepo.services.word_problems import write_gsm8k
+    from threepo.services.tasks.word_problems import write_gsm8k
 
     os.makedirs(_common.RESULTS_DIR, exist_ok=True)
     data = write_gsm8k(os.path.join(_common.RESULTS_DIR, f"word_problems_d1_{args.problems}.jsonl"), args.problems,
@@ -216,7 +215,7 @@ def model_for(model_recipe: str | None, args, cache: dict) -> str:
     (and for the MoE part of --quick, which would otherwise bootstrap the MoE first)."""
     if model_recipe not in cache:
         if model_recipe == REAL and args.model != "tiny":
-            from threepo.services.modeling import smollm2_checkpoint
+            from threepo.services.model.modeling import smollm2_checkpoint
 
             cache[model_recipe] = smollm2_checkpoint(
                 os.environ.get("THREEPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "threepo"))
@@ -238,8 +237,8 @@ def _tmp() -> str:
 
 def save_tiny_moe() -> str:
     """A random tiny Qwen2-MoE (4 experts, top-2), as tests/conftest.py builds it: smoke runs only."""
-    from threepo.services.modeling import ModelConfig, build_model
-    from threepo.services.tokenizer import build_tokenizer
+    from threepo.services.model.modeling import ModelConfig, build_model
+    from threepo.services.model.tokenizer import build_tokenizer
 
     directory, tokenizer = _tmp(), build_tokenizer()
     cfg = ModelConfig(kind="moe", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,

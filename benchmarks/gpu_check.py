@@ -43,8 +43,8 @@ TINY = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermedi
 
 def build_checkpoint(directory: str, shape: dict) -> str:
     """A randomly initialised Qwen2 of `shape` saved in bf16 with threepo's character tokenizer."""
-    from threepo.services.modeling import ModelConfig, build_model
-    from threepo.services.tokenizer import build_tokenizer
+    from threepo.services.model.modeling import ModelConfig, build_model
+    from threepo.services.model.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
     cfg = ModelConfig(kind="dense", hidden_size=shape["hidden_size"], num_layers=shape["num_layers"],
@@ -84,8 +84,8 @@ def _engine_at_version(path: str, device: str):
     import torch
 
     from threepo.algorithms import weight_checks
-    from threepo.services.engines.base import SamplerConfig
-    from threepo.services.engines.hf import HFEngine
+    from threepo.services.sampling.engines.base import SamplerConfig
+    from threepo.services.sampling.engines.hf import HFEngine
 
     engine = HFEngine(path, SamplerConfig(device=device, dtype="bfloat16", batch_size=64, seed=0))
     mean = {n: p.detach().float().cpu().numpy() for n, p in engine._params.items()}
@@ -98,7 +98,7 @@ def part_noise(path: str, device: str) -> dict:
     import torch
 
     from threepo.algorithms import counter_normal, param_noise
-    from threepo.services.messages import NoiseSpec
+    from threepo.services.wire.messages import NoiseSpec
 
     engine = _engine_at_version(path, device)
     params = engine._params
@@ -122,8 +122,8 @@ def part_noise(path: str, device: str) -> dict:
 
 
 def part_engine(path: str, device: str, tokens: int) -> dict:
-    from threepo.services.engines.base import EngineRequest
-    from threepo.services.messages import NoiseSpec, SamplingParams
+    from threepo.services.sampling.engines.base import EngineRequest
+    from threepo.services.wire.messages import NoiseSpec, SamplingParams
 
     engine = _engine_at_version(path, device)
     # no stop token: every row decodes `tokens` tokens, so tokens/s compares equal work
@@ -147,13 +147,13 @@ def part_engine(path: str, device: str, tokens: int) -> dict:
 
 def part_learner(path: str, device: str, tokens: int) -> dict:
     import torch
-
-    from threepo.services.engines.base import SamplerConfig
-    from threepo.services.engines.hf import HFEngine
-    from threepo.services.learner.core import Learner
-    from threepo.services.learner.config import AlgoConfig
-    from threepo.services.learner.optim_config import OptimConfig, SyncConfig
     from workload import sampled_groups, step
+
+    from threepo.services.learner.config import AlgoConfig
+    from threepo.services.learner.core import Learner
+    from threepo.services.learner.optim_config import OptimConfig, SyncConfig
+    from threepo.services.sampling.engines.base import SamplerConfig
+    from threepo.services.sampling.engines.hf import HFEngine
 
     engine = HFEngine(path, SamplerConfig(device=device, dtype="bfloat16", batch_size=128, seed=0))
     result = {}

@@ -28,10 +28,9 @@ def step_inputs(model: str, cfg, seed: int = 0):
 
     from threepo.algorithms.exploration import make_plan
     from threepo.algorithms.weight_checks import weights_checksum
-    from threepo.services.batching import completion_batch, score_batch
-    from threepo.services.engines.base import GeneratedSample
-    from threepo.services.messages import GroupRows, RolloutRequest, VerifyResult, VerifyStatus
-    from threepo.services.modeling import load_model, load_tokenizer, trainable_named_parameters
+    from threepo.services.model.modeling import load_model, load_tokenizer, trainable_named_parameters
+    from threepo.services.wire.batching import completion_batch, score_batch
+    from threepo.services.wire.messages import GeneratedSample, GroupRows, RolloutRequest, VerifyResult, VerifyStatus
 
     a, rng = cfg.algo, np.random.default_rng(seed)
     tokenizer = load_tokenizer(model)
@@ -87,7 +86,7 @@ def main() -> None:
     from threepo.deploy.learner_actor import LearnerActor
     from threepo.deploy.learner_group import start_learner_group
     from threepo.services.learner.core import Learner
-    from threepo.services.modeling import load_model, trainable_named_parameters
+    from threepo.services.model.modeling import load_model, trainable_named_parameters
 
     p = _common.parser(__doc__)
     p.add_argument("--ranks", type=int, default=2, help="R of the group (the other side is one learner)")

@@ -43,11 +43,10 @@ def one_arm(model: str, overrides: list[str], arm: tuple, steps: int, bf16: bool
     import resource
 
     import torch
-
     from learner_ranks import step_inputs
 
     from threepo.services.learner.core import Learner
-    from threepo.services.lora import LoRAConfig
+    from threepo.services.model.lora import LoRAConfig
 
     torch.set_num_threads(1)
     optim, rank = arm
@@ -78,20 +77,19 @@ def engine_arm(model: str, rank: int, dtype: str, rows: int, seconds: float, bac
     is a reload) serves them one after the other, as its sampler does."""
     import numpy as np
     import torch
-
     from engine_throughput import sample_slots
 
     from threepo.algorithms.weight_checks import weights_checksum
-    from threepo.services.engines.base import SamplerConfig
-    from threepo.services.engines.hf import HFEngine
-    from threepo.services.lora import LoRAConfig, attach
-    from threepo.services.messages import NoiseSpec, SamplingParams
-    from threepo.services.modeling import load_model, trainable_named_parameters
+    from threepo.services.model.lora import LoRAConfig, attach
+    from threepo.services.model.modeling import load_model, trainable_named_parameters
+    from threepo.services.sampling.engines.base import SamplerConfig
+    from threepo.services.sampling.engines.hf import HFEngine
+    from threepo.services.wire.messages import NoiseSpec, SamplingParams
 
     torch.set_num_threads(1)
     cfg = SamplerConfig(backend=backend, threads=1, batch_size=rows, max_new_tokens=16)
     if backend == "vllm":
-        from threepo.services.engines.vllm_engine import VLLMEngine
+        from threepo.services.sampling.engines.vllm_engine import VLLMEngine
 
         engine = VLLMEngine(model, cfg, dtype=dtype, adapters=(rank, 4) if rank else None)
     else:
@@ -154,7 +152,7 @@ def main() -> None:
         args.steps, sizes = 1, ["runtime.prompts_per_step=2", "algo.group_size=4", "sampler.max_new_tokens=8"]
     real = args.model == "smollm2"
     if real:
-        from threepo.services.modeling import smollm2_checkpoint
+        from threepo.services.model.modeling import smollm2_checkpoint
 
         args.model = smollm2_checkpoint(os.environ.get("THREEPO_CACHE") or os.path.expanduser("~/.cache/threepo"))
     model = _common.model_path(args)

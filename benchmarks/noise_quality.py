@@ -77,11 +77,11 @@ class Bench:
         import torch
 
         from threepo.algorithms.weight_checks import weights_checksum
-        from threepo.services.datasets import eval_items
-        from threepo.services.engines.hf import HFEngine
-        from threepo.services.modeling import load_model, trainable_named_parameters
-        from threepo.services.prompting import PromptEncoder
-        from threepo.services.verifier_pool import VerifierPool
+        from threepo.services.model.modeling import load_model, trainable_named_parameters
+        from threepo.services.sampling.engines.hf import HFEngine
+        from threepo.services.tasks.datasets import eval_items
+        from threepo.services.tasks.prompting import PromptEncoder
+        from threepo.services.verifiers.pool import VerifierPool
 
         torch.set_num_threads(2)
         cfg = self.cfg = setup["cfg"]
@@ -101,8 +101,8 @@ class Bench:
         """The mean's completions of the first prompts as the KL probe reads a batch (input_ids, attn, mask)."""
         import torch
 
-        from threepo.services.engines.base import EngineRequest
-        from threepo.services.messages import NoiseSpec
+        from threepo.services.sampling.engines.base import EngineRequest
+        from threepo.services.wire.messages import NoiseSpec
 
         self._load(0)
         self.engine.serve(NoiseSpec(self.version, None))
@@ -117,7 +117,7 @@ class Bench:
         return SimpleNamespace(input_ids=ids, attn=attn, mask=mask)  # the fields of a TrainBatch the probe reads
 
     def _params(self, temperature: float, n: int):
-        from threepo.services.messages import SamplingParams
+        from threepo.services.wire.messages import SamplingParams
 
         return SamplingParams(temperature=temperature, max_new_tokens=self.tokens, n=n, stop_token_ids=self.encoder.stop_ids)
 
@@ -171,8 +171,8 @@ class Bench:
     # --- sampling and scoring ----------------------------------------------------------------------
     def sample_noise(self, slots: list, noised: set, rank: int) -> list[list]:
         """Each (seed, scale) slot's completion of every prompt: [prompt][slot] samples."""
-        from threepo.services.engines.base import EngineRequest
-        from threepo.services.messages import NoiseSpec
+        from threepo.services.sampling.engines.base import EngineRequest
+        from threepo.services.wire.messages import NoiseSpec
 
         self._load(rank, noised)
         prompts = [self.encoder.encode(it.prompt, it.verifier) for it in self.items]
@@ -182,8 +182,8 @@ class Bench:
         return [[out[s][2][i][0] for s in range(self.samples)] for i in range(len(prompts))]
 
     def sample_temperature(self, temperature: float) -> list[list]:
-        from threepo.services.engines.base import EngineRequest
-        from threepo.services.messages import NoiseSpec
+        from threepo.services.sampling.engines.base import EngineRequest
+        from threepo.services.wire.messages import NoiseSpec
 
         self._load(0)
         self.engine.serve(NoiseSpec(self.version, None))
@@ -195,8 +195,8 @@ class Bench:
     def score(self, samples: list[list]) -> dict:
         """pass@k, distinct answers per group, malformed rate, zero-advantage-group fraction."""
         from threepo.algorithms.pass_at_k import pass_at_k
-        from threepo.services.messages import VerifyRequest, VerifyStatus
         from threepo.services.verifiers.math_answers import final_boxed, last_number
+        from threepo.services.wire.messages import VerifyRequest, VerifyStatus
 
         n = len(samples[0])
         results = self.pool.verify_batch([VerifyRequest(item=it, completion=s.text, finish_reason=s.finish_reason)

@@ -8,7 +8,7 @@ so the same prompt order and the same held-out problems):
 - `c3po`: C3PO, N = 4 slots, the default noise controls;
 - `c3po_lora`: C3PO over rank-8 LoRA adapters.
 The model and its settings are benchmarks/real_model.py's (chat template, answers scored by their last
-number, T 0.7, bf16, `REAL_ARMS`' optimizers), on `--difficulty` word problems (services/word_problems.py),
+number, T 0.7, bf16, `REAL_ARMS`' optimizers), on `--difficulty` word problems (services/tasks/word_problems.py),
 each question followed by `--instruction` (`BRIEF`), `--limit` tokens at most; held-out problems are
 evaluated in the dtype the samplers serve.
 
@@ -86,7 +86,7 @@ def study_key(args) -> dict:
 
 
 def problems(args, difficulty: int) -> str:
-    from threepo.services.word_problems import write_gsm8k
+    from threepo.services.tasks.word_problems import write_gsm8k
 
     os.makedirs(_common.RESULTS_DIR, exist_ok=True)
     return write_gsm8k(os.path.join(_common.RESULTS_DIR, f"word_problems_d{difficulty}_{args.problems}.jsonl"),
@@ -96,7 +96,7 @@ def problems(args, difficulty: int) -> str:
 def model(args) -> str:
     if args.quick:
         return _common.save_tiny(tempfile.mkdtemp(prefix="threepo-noise-study-"))
-    from threepo.services.modeling import smollm2_checkpoint
+    from threepo.services.model.modeling import smollm2_checkpoint
 
     return smollm2_checkpoint(os.environ.get("THREEPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "threepo"))
 
@@ -271,7 +271,7 @@ def main() -> None:
     p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     p.add_argument("--seeds", type=int, default=5, help="study seeds 0..N-1, paired across arms")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--difficulty", type=int, default=2, help="the study's word problems (services/word_problems.py)")
+    p.add_argument("--difficulty", type=int, default=2, help="the study's word problems (services/tasks/word_problems.py)")
     p.add_argument("--limit", type=int, default=96, help="sampler.max_new_tokens of the study's runs")
     p.add_argument("--instruction", default=BRIEF, help="prompt.instruction of the study's runs ('' = none)")
     p.add_argument("--candidates", nargs="+", default=["1:64", "2:64", "2:96"], help="task phase: difficulty:limit")

@@ -30,7 +30,7 @@ import _common
 
 def requests_by_sampler(cfg, plan, prompts: int, first: int = 0) -> dict[int, list]:
     """The driver's requests for `prompts` prompts (one per slot), routed slot-major to samplers."""
-    from threepo.services.messages import RolloutRequest
+    from threepo.services.wire.messages import RolloutRequest
 
     items = _common.task_prompts(first + prompts)
     out: dict[int, list] = {}

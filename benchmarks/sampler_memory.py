@@ -48,15 +48,15 @@ def main() -> None:
 
     from threepo.algorithms.noise_mask import NoiseConfig, noised_names
     from threepo.algorithms.weight_checks import weights_checksum
-    from threepo.services.engines.base import EngineRequest, SamplerConfig
-    from threepo.services.engines.hf import HFEngine
-    from threepo.services.messages import NoiseSpec, SamplingParams
+    from threepo.services.sampling.engines.base import EngineRequest, SamplerConfig
+    from threepo.services.sampling.engines.hf import HFEngine
+    from threepo.services.wire.messages import NoiseSpec, SamplingParams
 
     args = _common.parser(__doc__).parse_args()
     if args.model:
         path = _common.model_path(args)
     else:
-        from threepo.services.modeling import smollm2_checkpoint
+        from threepo.services.model.modeling import smollm2_checkpoint
 
         path = smollm2_checkpoint(os.environ.get("THREEPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "threepo"))
     stages = Stages()

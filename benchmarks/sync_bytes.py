@@ -23,8 +23,8 @@ def server_bytes(model: str, cfg, n_slots: int) -> int:
     import torch
 
     from threepo.algorithms.weight_checks import weights_checksum
-    from threepo.services.messages import PublishedVersion
     from threepo.services.posterior import PosteriorConfig, PosteriorServer
+    from threepo.services.wire.messages import PublishedVersion
 
     mean, sigma = _common.posterior_arrays(model, cfg)
     checksum = weights_checksum((n, torch.from_numpy(a)) for n, a in mean.items())

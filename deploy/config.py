@@ -18,23 +18,23 @@ import os
 import tomllib
 import types
 import typing
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from threepo.algorithms.noise_mask import NoiseConfig
 from threepo.services.bootstrap import BootstrapConfig
-from threepo.services.datasets import MAX_NEW_TOKENS, DataConfig
-from threepo.services.engines.base import SamplerConfig
 from threepo.services.errors import UserInputError
 from threepo.services.evaluation import EvalConfig
-from threepo.algorithms.noise_mask import NoiseConfig
 from threepo.services.learner.config import AlgoConfig, LearnerConfig, VP2OConfig
 from threepo.services.learner.optim_config import OptimConfig, SyncConfig
-from threepo.services.lora import LoRAConfig, check_lora
-from threepo.services.modeling import ModelConfig
-from threepo.services.prompting import NUMBER_INSTRUCTION, PromptConfig
-from threepo.services.tasks import TaskConfig, max_new_tokens_for
-from threepo.services.verifier_pool import VerifierConfig
+from threepo.services.model.lora import LoRAConfig, check_lora
+from threepo.services.model.modeling import ModelConfig
+from threepo.services.sampling.engines.base import SamplerConfig
+from threepo.services.tasks.datasets import MAX_NEW_TOKENS, DataConfig
+from threepo.services.tasks.prompting import NUMBER_INSTRUCTION, PromptConfig
+from threepo.services.tasks.synthetic import TaskConfig, max_new_tokens_for
+from threepo.services.verifiers.pool import VerifierConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 

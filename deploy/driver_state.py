@@ -13,9 +13,9 @@ from threepo.deploy.outputs import Window
 
 if TYPE_CHECKING:
     from threepo.deploy.actors import Roles
-    from threepo.deploy.bookkeeping import Ledger
     from threepo.deploy.config import RunConfig
     from threepo.deploy.outputs import RunLog
+    from threepo.services.ledger.ledger import Ledger
 
 
 @dataclass

@@ -33,7 +33,7 @@ class LearnerActor:
             load_learner(self.learner, checkpoint)
             log_bytes = _read_json(os.path.join(checkpoint, "rollouts.json")).get("bytes", 0)
         if rollout_log:
-            from threepo.services.codec import LogWriter, RolloutLog
+            from threepo.services.wire.codec import LogWriter, RolloutLog
 
             if os.path.exists(rollout_log):  # a resumed run: drop what was logged after the checkpoint
                 os.truncate(rollout_log, log_bytes)
@@ -85,7 +85,7 @@ class LearnerActor:
     def save_hf(self, directory: str) -> str:
         """The current policy as an HF checkpoint with its tokenizer (`Learner.save_pretrained`; with
         LoRA also the PEFT adapter directory `directory`/adapter)."""
-        from threepo.services.modeling import load_tokenizer
+        from threepo.services.model.modeling import load_tokenizer
 
         self.learner.save_pretrained(directory)
         load_tokenizer(self.model_path).save_pretrained(directory)

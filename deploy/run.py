@@ -12,7 +12,7 @@ completes. The synchronous mode is the same loop with the admission rule that wa
 
 Completions never pass through the driver: a sampler's `CompletionBatch` goes from the object store
 to a verifier and to the learner; the driver reads the small `GenerateReport` and `ScoreBatch` and
-keeps ids, counts and row positions in its `Ledger` (deploy/bookkeeping.py, a plain class with its
+keeps ids, counts and row positions in its `Ledger` (services/ledger/ledger.py, a plain class with its
 own tests). The loop's own waiting is here: every reference it waits on maps to a typed event (`Scored`,
 `Learned`, `Published`, `Evaluated`, `Saved`, `Joined`; deploy/driver_state.py, with the `Loop` state),
 handled in one `match`. The roles' start-up and calls that complete before the loop goes on live in
@@ -29,15 +29,15 @@ import ray
 
 from threepo.deploy import checkpoints
 from threepo.deploy.actors import Roles, start_roles, start_stateful, stop_roles
-from threepo.deploy.bookkeeping import Ledger, PersistentFailure, Readmission
 from threepo.deploy.cluster import init_ray
 from threepo.deploy.config import RunConfig
 from threepo.deploy.cores import CorePlacement
 from threepo.deploy.driver_state import Call, Evaluated, Joined, Learned, Loop, Published, Saved, Scored
 from threepo.deploy.outputs import (RunLog, Window, delivery_figures, record_driver_metrics, resume_metrics_file,
                                     write_summary)
-from threepo.deploy.stream import PromptStream
-from threepo.services.datasets import train_items
+from threepo.services.ledger.ledger import Ledger, PersistentFailure, Readmission
+from threepo.services.ledger.stream import PromptStream
+from threepo.services.tasks.datasets import train_items
 from threepo.services.verifiers.base import VerifierOutage
 
 _DEAD = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)

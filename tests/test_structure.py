@@ -183,3 +183,75 @@ def test_only_the_entry_point_imports_the_cli():
     bench = [f"{p.relative_to(ROOT)}: import {n}" for p in sorted((ROOT / "benchmarks").glob("*.py"))
              for n in _imports(p) if n == "threepo.deploy.cli" or n.startswith("threepo.deploy.cli.")]
     assert not importers and not bench, f"deploy/cli.py is the entry point only: {importers + bench}"
+
+
+# services/ by room (docs/architecture.md §1): each room of services/ and the rooms it may import at run
+# time (TYPE_CHECKING imports are annotations only). algorithms/ may be imported by any room. A new
+# file in services/ joins a room; a new edge is a deliberate change of the layering, made here.
+SERVICE_ROOMS = {
+    "errors": set(), "metrics": set(), "checkpoint": set(),
+    "wire": {"errors"},
+    "model": {"errors"},
+    "verifiers": {"errors", "metrics", "wire"},
+    "tasks": {"errors", "model", "verifiers", "wire"},
+    "sampling": {"errors", "metrics", "model", "tasks", "wire"},
+    "learner": {"checkpoint", "errors", "metrics", "model", "wire"},
+    "posterior": {"checkpoint", "errors", "wire"},
+    "ledger": {"errors", "posterior", "wire"},
+    "evaluation": {"errors", "model", "sampling", "tasks", "verifiers", "wire"},
+    "bootstrap": {"errors", "evaluation", "model", "tasks", "wire"},
+}
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "services" else None
+
+
+def _runtime_imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    annotations = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for n in ast.walk(node)}
+    names = []
+    for node in ast.walk(tree):
+        if id(node) in annotations:
+            continue
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names += [f"{node.module}.{a.name}" for a in node.names]
+    return names
+
+
+def test_services_is_laid_out_by_room():
+    entries = {p.name.removesuffix(".py") for p in (ROOT / "services").iterdir()
+               if p.name not in ("__init__.py", "__pycache__")}
+    assert entries == set(SERVICE_ROOMS), (f"services/ holds the rooms {sorted(SERVICE_ROOMS)}; "
+                                           f"not a room: {sorted(entries - set(SERVICE_ROOMS))}, "
+                                           f"missing: {sorted(set(SERVICE_ROOMS) - entries)}")
+    order, left = [], {room: set(deps) for room, deps in SERVICE_ROOMS.items()}
+    while left:  # the rooms' layering itself has no circle
+        ready = sorted(r for r, deps in left.items() if deps <= set(order))
+        assert ready, f"the rooms' allowed imports form a circle among {sorted(left)}"
+        order += ready
+        left = {r: d for r, d in left.items() if r not in ready}
+
+
+def test_each_room_imports_only_the_rooms_below_it():
+    bad = []
+    for path in _py_files("services"):
+        room = path.relative_to(ROOT / "services").parts[0].removesuffix(".py")
+        for name in _runtime_imports(path):
+            target = _room(name)
+            if target and target != room and target not in SERVICE_ROOMS[room]:
+                bad.append(f"{path.relative_to(ROOT)}: import {name} ({room} may import {sorted(SERVICE_ROOMS[room])})")
+            if name.startswith("threepo.deploy"):
+                bad.append(f"{path.relative_to(ROOT)}: import {name} (services/ never imports deploy/)")
+    assert not bad, "imports against the rooms' layering:\n" + "\n".join(bad)
+
+
+def test_the_room_rule_sees_a_forbidden_edge(tmp_path):
+    path = tmp_path / "x.py"
+    path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from threepo.services.learner import core\n"
+                    "def f():\n    from threepo.services.sampling.sampler import Sampler\n")
+    assert [_room(n) for n in _runtime_imports(path)] == [None, "sampling"]

@@ -2,7 +2,7 @@
 state (services/learner/optimizers.py: IVON's posterior, AdamW, or AdamW placed by DeepSpeed).
 
 `step(groups, batches, scores)` collates complete, scored groups (rows of the step's array batches,
-services/batching.py) once and turns them into advantages and the off-policy-corrected loss (all
+services/wire/batching.py) once and turns them into advantages and the off-policy-corrected loss (all
 math in algorithms/) and takes `ppo_epochs × mini_batches` optimizer updates, each at the gradient
 point of `exploration.gradient_points` — a fresh posterior sample θ̂′ per update (M3PO: one per slot
 group, K = M Monte-Carlo samples per IVON step), or the mean for GRPO with AdamW. Every update's
@@ -43,27 +43,26 @@ import torch
 from threepo.algorithms import advantages as adv_math
 from threepo.algorithms import losses
 from threepo.algorithms.exploration import gradient_points
+from threepo.algorithms.noise_mask import NoiseConfig
 from threepo.algorithms.sync_budget import sync_decision
 from threepo.algorithms.weight_checks import weights_checksum
 from threepo.services.learner.around import make_around
-from threepo.algorithms.noise_mask import NoiseConfig
 from threepo.services.learner.config import AlgoConfig, VP2OConfig, has_drift_process
-from threepo.services.learner.optim_config import OptimConfig, SyncConfig
-from threepo.services.learner.optimizers import make_optimizer
-from threepo.services.learner.ranks import Ranks, SingleRank
-from threepo.services.batching import TrainBatch, collate
-from threepo.services.lora import LoRAConfig, adapters_off, attach, merged_weights, save_adapter
-from threepo.services.messages import CompletionBatch, GroupRows, PublishedVersion, ScoreBatch
-from threepo.services.modeling import load_model, trainable_named_parameters
 from threepo.services.learner.drift_process import DriftProcess, Pending
-from threepo.services.learner.objective import group_metrics, make_estimator, make_policy_loss, step_advantages
-from threepo.services.learner.noise_control import make_noise_control
-from threepo.services.learner.phases import PhaseClock
 from threepo.services.learner.memory import (bytes_per_position, denominators, head_chunk, micro_batches,
                                              over_micro_batches)
-from threepo.services.prefix_forward import plain_head, prompt_runs, row_logprobs, row_token_stats
+from threepo.services.learner.noise_control import make_noise_control
+from threepo.services.learner.objective import group_metrics, make_estimator, make_policy_loss, step_advantages
+from threepo.services.learner.optim_config import OptimConfig, SyncConfig
+from threepo.services.learner.optimizers import make_optimizer
+from threepo.services.learner.phases import PhaseClock
 from threepo.services.learner.proximal import StartLogprobs, drift_metrics, drift_sample
-
+from threepo.services.learner.ranks import Ranks, SingleRank
+from threepo.services.model.lora import LoRAConfig, adapters_off, attach, merged_weights, save_adapter
+from threepo.services.model.modeling import load_model, trainable_named_parameters
+from threepo.services.model.prefix_forward import plain_head, prompt_runs, row_logprobs, row_token_stats
+from threepo.services.wire.batching import TrainBatch, collate
+from threepo.services.wire.messages import CompletionBatch, GroupRows, PublishedVersion, ScoreBatch
 
 _NO_DRIFT = (0.0, 1.0)  # (KL, ESS fraction) of a behaviour policy equal to the current one
 
@@ -273,7 +272,7 @@ class Learner:
         return self._row_logprobs(self.model, batch, rows)
 
     def _row_logprobs(self, model, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
-        """Token log-probs of `rows` (services/prefix_forward.py: each prompt computed once when the
+        """Token log-probs of `rows` (services/model/prefix_forward.py: each prompt computed once when the
         rows come in runs sharing one; the head on completion positions only, in chunks)."""
         return row_logprobs(model, batch.input_ids[rows], batch.attn[rows], batch.mask[rows], batch.targets[rows],
                             self._run(batch, rows), self.temperature, self.chunk)

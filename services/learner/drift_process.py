@@ -166,8 +166,8 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)  # as the learner
     from threepo.algorithms.param_noise import load_perturbed
-    from threepo.services.modeling import load_model
-    from threepo.services.prefix_forward import row_logprobs
+    from threepo.services.model.modeling import load_model
+    from threepo.services.model.prefix_forward import row_logprobs
 
     init = pickle.load(inp)
     model = load_model(init["model_path"]).train().requires_grad_(False)  # the learner's mode

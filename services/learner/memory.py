@@ -33,7 +33,7 @@ def micro_batches(rows: torch.Tensor, run: int, mask: torch.Tensor, budget_bytes
     a run's prompt then once per sub-run), at least one row each; one micro-batch when
     `budget_bytes` is 0 or all rows fit. `mask`: the rows' completion mask (prompt and completion
     lengths: a row of a sub-run of d costs its completion and 1/d of its prompt)."""
-    from threepo.services.prefix_forward import prompt_spans
+    from threepo.services.model.prefix_forward import prompt_spans
 
     if not budget_bytes:
         return [rows]

@@ -5,7 +5,7 @@ issues 25 and 38).
 Where the KL is measured, chosen once where the learner is built (`measured_by_samplers`):
 - **On the samplers** (the hf engine): each sampler measures every slot it serves on the slot's own
   first `noise.probe_rows` rollouts of the version, teacher-forced at the slot and at the mean in fp32
-  beside the call that sampled them (services/sampler.py, `HFEngine.slot_kl`), and the rollouts carry
+  beside the call that sampled them (services/sampling/sampler.py, `HFEngine.slot_kl`), and the rollouts carry
   the measurement to the learner. `observe` collects it from each step's batch; when the learner
   publishes, `plan` sets the new version's scale from the newest version measured since the last
   plan (feedback: `feedback_scale`, the median over its slots of the scale each implies by the
@@ -49,7 +49,7 @@ import torch
 from threepo.algorithms.exploration import noise_seed
 from threepo.algorithms.noise_mask import NoiseConfig
 from threepo.algorithms.noise_scale import feedback_scale, next_noise_scale, policy_kl
-from threepo.services.prefix_forward import position_logits
+from threepo.services.model.prefix_forward import position_logits
 
 _POSITIONS = 64  # predicted tokens of each probe row
 _ROWS = 4  # probe rows per forward (a chunk's logits: rows × 64 × V floats)

@@ -11,8 +11,8 @@ import torch
 from threepo.algorithms import advantages as adv_math
 from threepo.algorithms import losses, off_policy
 from threepo.algorithms.rouge import rouge_l_rewards
-from threepo.services.batching import MALFORMED, TrainBatch
 from threepo.services.learner.config import AlgoConfig
+from threepo.services.wire.batching import MALFORMED, TrainBatch
 
 
 class GroupAdvantages:

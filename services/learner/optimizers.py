@@ -11,7 +11,7 @@ owns its state and answers everything the step asks of an optimizer, whichever i
   are, a version publishes the mean alone; gradients are summed over ranks and clipped.
 - `ZeroAdamW` (adamw with learner.deepspeed_stage ≥ 0): AdamW placed by DeepSpeed at a ZeRO stage
   (services/learner/zero.py): DeepSpeed reduces, clips and steps its partition.
-- `LoRAAdamW` (adamw with lora.rank > 0): AdamW on the adapters alone (services/lora.py), the base
+- `LoRAAdamW` (adamw with lora.rank > 0): AdamW on the adapters alone (services/model/lora.py), the base
   frozen; a version publishes the adapters alone with `adapter` = (r, α) where the engines serve
   adapters over their base (every engine, in a run), else the model with the adapters merged, under its
   own parameter names.
@@ -36,7 +36,7 @@ from threepo.algorithms.ivon import IVON
 from threepo.algorithms.noise_mask import MaskedSigma, NoiseConfig, noised_names
 from threepo.services.learner.optim_config import OptimConfig
 from threepo.services.learner.zero import DeepSpeedAdamW
-from threepo.services.lora import LoRAConfig, merged_weights
+from threepo.services.model.lora import LoRAConfig, merged_weights
 
 _IVON_KINDS = ("mean", "hess", "momentum")
 
@@ -45,7 +45,7 @@ def make_optimizer(model: torch.nn.Module, named: list, optim: OptimConfig, rank
                    noise: NoiseConfig = NoiseConfig(), lora: LoRAConfig = LoRAConfig(), adapter_versions: bool = False):
     """The optimizer object of `optim.name`, placed on `ranks` (DeepSpeed at `deepspeed_stage` ≥ 0);
     a posterior serves noise on the weights `noise` selects; `lora.rank` > 0: `named` are the adapters
-    of `model` (services/lora.py), and AdamW's versions are the adapters alone where
+    of `model` (services/model/lora.py), and AdamW's versions are the adapters alone where
     `adapter_versions` (the engines serve adapters over their base), else the merged model."""
     match optim.name, deepspeed_stage >= 0, lora.rank > 0:
         case "ivon", False, False:
@@ -287,7 +287,7 @@ def _trained(lora: list | None) -> str:
 
 
 class LoRAAdamW(AdamW):
-    """AdamW on the LoRA adapters of `model` (`named`), the base frozen (services/lora.py). A version
+    """AdamW on the LoRA adapters of `model` (`named`), the base frozen (services/model/lora.py). A version
     is the adapters alone with `adapter` = (r, α) when `adapter_versions` (engines that serve
     adapters over the base they loaded), else the model with the adapters merged."""
 
@@ -311,7 +311,7 @@ class LoRAAdamW(AdamW):
 
 class LoRAIVONPosterior(IVONPosterior):
     """IVON's posterior over the LoRA adapters of a model (`named`: its lora_A/lora_B weights), the
-    base frozen (services/lora.py). Everything is IVONPosterior's, over adapter tensors: a slot is
+    base frozen (services/model/lora.py). Everything is IVONPosterior's, over adapter tensors: a slot is
     the adapter sample Â = m_A + c · σ_A ⊙ z, B̂ likewise, under the noise mask (which matches an
     adapter by its layer's name); a version publishes the adapters' (m, σ), sized ~2 r (in + out)
     per adapted layer instead of in · out, with `adapter` = (r, α)."""

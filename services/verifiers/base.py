@@ -21,7 +21,7 @@ import importlib
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
-from threepo.services.messages import VerifyRequest, VerifyResult
+from threepo.services.wire.messages import VerifyRequest, VerifyResult
 
 # Retry and concurrency defaults, written once: the run's `[verifier]` (verifier_pool.VerifierConfig), a
 # pool built without one (VerifierPoolConfig) and the remote sandbox client (remote.RemoteSandboxConfig)

@@ -36,11 +36,10 @@ import re
 import time
 from dataclasses import dataclass
 
-from threepo.services.messages import TaskItem, VerifyRequest, VerifyResult, VerifyStatus
 from threepo.services.verifiers.harness import new_token, read_report, without_report
-from threepo.services.verifiers.sandbox import (OUTPUT_LIMIT_MESSAGE, LocalSandbox, RunResult, RunStatus,
-                                                SandboxConfig)
+from threepo.services.verifiers.sandbox import OUTPUT_LIMIT_MESSAGE, LocalSandbox, RunResult, RunStatus, SandboxConfig
 from threepo.services.verifiers.split_run import run_tests
+from threepo.services.wire.messages import TaskItem, VerifyRequest, VerifyResult, VerifyStatus
 
 _FENCE = re.compile(r"```(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 _BOXED = "\\boxed{"

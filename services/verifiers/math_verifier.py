@@ -47,8 +47,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from threepo.services.messages import VerifyRequest, VerifyResult, VerifyStatus
 from threepo.services.verifiers.math_answers import NO_BOX, final_boxed, last_number, normalize_number
+from threepo.services.wire.messages import VerifyRequest, VerifyResult, VerifyStatus
 
 MODES = ("inline", "process")
 

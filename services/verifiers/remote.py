@@ -41,18 +41,18 @@ import base64
 import json
 import random
 import time
-from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, AsyncContextManager
 
 import aiohttp
 
 from threepo.services.errors import UserInputError
-from threepo.services.messages import VerifyRequest, VerifyResult, VerifyStatus
 from threepo.services.verifiers.base import BACKOFF_BASE_S, BACKOFF_MAX_S, JITTER, VerifierOutage
 from threepo.services.verifiers.code_verifiers import prepare, result, score_run
-from threepo.services.verifiers.sandbox_wire import (START_BY_HEADER, RunCodeResponse, SandboxInfraError,
-                                                     SubmitResult, parse_run_code, to_run_result)
+from threepo.services.verifiers.sandbox_wire import (START_BY_HEADER, RunCodeResponse, SandboxInfraError, SubmitResult,
+                                                     parse_run_code, to_run_result)
+from threepo.services.wire.messages import VerifyRequest, VerifyResult, VerifyStatus
 
 
 @dataclass(frozen=True)

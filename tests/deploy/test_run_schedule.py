@@ -10,8 +10,8 @@ import pytest
 
 from threepo.deploy.config import load_config
 from threepo.deploy.run import may_learn
-from threepo.services.batching import group_records, logged_groups
-from threepo.services.codec import LogWriter, RolloutLog
+from threepo.services.wire.batching import group_records, logged_groups
+from threepo.services.wire.codec import LogWriter, RolloutLog
 
 
 def _loop(learning, *overrides, evaluator=True):
@@ -53,9 +53,8 @@ def test_learner_results_are_taken_in_step_order_whatever_order_ray_reports(monk
 
 def _batch_parts():
     """One group of two completions as the learner's step receives it (GroupRows, arrays)."""
-    from threepo.services.batching import batches_from_groups
-    from threepo.services.messages import (Completion, Group, ScoredCompletion, TaskItem, VerifyResult,
-                                           VerifyStatus)
+    from threepo.services.wire.batching import batches_from_groups
+    from threepo.services.wire.messages import Completion, Group, ScoredCompletion, TaskItem, VerifyResult, VerifyStatus
 
     item = TaskItem(uid="p0", prompt="1+1=", answer="2")
     done = tuple(ScoredCompletion(Completion(completion_id=f"p0/g0/{j}", request_id="r0", group_id="p0/g0", slot=0,

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from threepo.services.engines.base import SamplerConfig
+from threepo.services.sampling.engines.base import SamplerConfig
 
 # sglang_fake: the real SGLang adapter and loaders over a fake of sglang.Engine's documented calls
 BACKENDS = ("hf", "vllm", "sglang", "sglang_fake")
@@ -134,14 +134,14 @@ def engine(request, tiny_dense_path):
     if backend == "sglang_fake":
         from fake_sglang import FakeSGLangEngine
 
-        from threepo.services.engines.sglang_engine import SGLangEngine
+        from threepo.services.sampling.engines.sglang_engine import SGLangEngine
 
         eng = SGLangEngine(tiny_dense_path, cfg, engine_factory=FakeSGLangEngine)
         eng.identity = lambda: (0, id(eng.engine))
         yield backend, eng
         return
     if backend == "hf":
-        from threepo.services.engines.hf import HFEngine
+        from threepo.services.sampling.engines.hf import HFEngine
 
         eng = HFEngine(tiny_dense_path, cfg)
         eng.identity = lambda: (0, id(eng.model))

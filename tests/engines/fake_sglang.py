@@ -27,10 +27,10 @@ from types import SimpleNamespace
 
 import torch
 
-from threepo.services.engines.base import EngineRequest
-from threepo.services.engines.decoding import generate
-from threepo.services.messages import SamplingParams
-from threepo.services.modeling import load_model, load_tokenizer
+from threepo.services.model.modeling import load_model, load_tokenizer
+from threepo.services.sampling.engines.base import EngineRequest
+from threepo.services.sampling.engines.decoding import generate
+from threepo.services.wire.messages import SamplingParams
 
 
 class _Model(torch.nn.Module):

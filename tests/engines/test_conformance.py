@@ -14,13 +14,13 @@ import torch
 
 from threepo.algorithms.ivon import IVON
 from threepo.algorithms.noise_mask import MaskedSigma, noised_names
-from threepo.algorithms.weight_checks import weights_checksum
 from threepo.algorithms.sampling import sampling_logprobs
-from threepo.services.engines.base import EngineRequest, WeightsMismatch
-from threepo.services.messages import NoiseSpec, SamplingParams
-from threepo.services.modeling import load_model, load_tokenizer, trainable_named_parameters
-from threepo.services.prompting import PromptConfig, PromptEncoder
-from threepo.services.tokenizer import build_tokenizer
+from threepo.algorithms.weight_checks import weights_checksum
+from threepo.services.model.modeling import load_model, load_tokenizer, trainable_named_parameters
+from threepo.services.model.tokenizer import build_tokenizer
+from threepo.services.sampling.engines.base import EngineRequest, WeightsMismatch
+from threepo.services.tasks.prompting import PromptConfig, PromptEncoder
+from threepo.services.wire.messages import NoiseSpec, SamplingParams
 
 FILTERS = {"T=1": dict(temperature=1.0), "T=0.7,k=5,p=0.8": dict(temperature=0.7, top_k=5, top_p=0.8)}
 PROMPTS = ("Q: 12+34= A: ", "Q: 7*8= A: ", "x")
@@ -288,7 +288,7 @@ def test_served_noise_is_all_there_in_fp32(served):
 def test_a_version_staged_as_a_file_serves_as_the_arrays_do(served, learner, tmp_path):
     """vLLM with workers in other processes (tensor_parallel_size > 1) gets (m, σ) as a staged file
     by path: the worker side of that path, on the real engine."""
-    from threepo.services.engines.staging import stage_version
+    from threepo.services.sampling.engines.staging import stage_version
 
     backend, eng = served
     if backend != "vllm":

@@ -12,11 +12,11 @@ import sys
 
 import numpy as np
 import pytest
-
 from test_conformance import Learner, _assert_matches_learner
-from threepo.services.engines.base import EngineRequest, SamplerConfig
-from threepo.services.messages import NoiseSpec, SamplingParams
-from threepo.services.prompting import BOXED_INSTRUCTION, PromptConfig, PromptEncoder
+
+from threepo.services.sampling.engines.base import EngineRequest, SamplerConfig
+from threepo.services.tasks.prompting import BOXED_INSTRUCTION, PromptConfig, PromptEncoder
+from threepo.services.wire.messages import NoiseSpec, SamplingParams
 
 pytestmark = pytest.mark.slow  # the real SmolLM2 on every engine (the fast tier keeps the tiny models)
 
@@ -46,7 +46,7 @@ def engine(request, smollm2_path, learner):
         pytest.skip(f"{backend}: {reason}")
     cfg = SamplerConfig(backend=backend, **CFG)
     if backend == "hf":
-        from threepo.services.engines.hf import HFEngine
+        from threepo.services.sampling.engines.hf import HFEngine
 
         eng = HFEngine(smollm2_path, cfg)
         eng.chat_ids = lambda messages: eng.tokenizer.apply_chat_template(

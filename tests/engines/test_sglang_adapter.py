@@ -9,14 +9,14 @@ import os
 import numpy as np
 import pytest
 import torch
-
 from fake_sglang import FakeSGLangEngine
+
 from threepo.algorithms.weight_checks import weights_checksum
 from threepo.deploy.config import ConfigError, load_config
-from threepo.services.engines.base import EngineRequest, SamplerConfig, WeightsMismatch
-from threepo.services.engines.sglang_engine import SGLangEngine
-from threepo.services.messages import NoiseSpec, SamplingParams
-from threepo.services.modeling import load_model, trainable_named_parameters
+from threepo.services.model.modeling import load_model, trainable_named_parameters
+from threepo.services.sampling.engines.base import EngineRequest, SamplerConfig, WeightsMismatch
+from threepo.services.sampling.engines.sglang_engine import SGLangEngine
+from threepo.services.wire.messages import NoiseSpec, SamplingParams
 
 
 def _published(path):
@@ -61,8 +61,8 @@ def test_the_adapter_starts_deterministic_inference_and_refuses_truncated_sampli
 def test_the_fake_keeps_the_pinned_rules(tiny_dense_path):
     """What would have caught the adapter of before: updates outside a session are refused, and an
     exception in a loader ends the engine."""
-    fake = FakeSGLangEngine(model_path=tiny_dense_path, custom_weight_loader=["threepo.services.engines.sglang_loader.verify"])
-    ok, message = fake.update_weights_from_tensor([], load_format="threepo.services.engines.sglang_loader.verify")
+    fake = FakeSGLangEngine(model_path=tiny_dense_path, custom_weight_loader=["threepo.services.sampling.engines.sglang_loader.verify"])
+    ok, message = fake.update_weights_from_tensor([], load_format="threepo.services.sampling.engines.sglang_loader.verify")
     assert not ok and "begin_weight_update" in message
     assert not hasattr(fake, "pause_generation") and not hasattr(fake, "continue_generation")
 
@@ -70,7 +70,7 @@ def test_the_fake_keeps_the_pinned_rules(tiny_dense_path):
 def test_a_version_reaches_the_workers_as_a_staged_file_not_as_tensors(tiny_dense_path):
     """update_weights_from_tensor would move every tensor it carries onto each rank's device: the
     adapter sends only control tensors, and the workers map (m, σ) from the staged file."""
-    from threepo.services.engines import sglang_loader
+    from threepo.services.sampling.engines import sglang_loader
 
     eng = SGLangEngine(tiny_dense_path, SamplerConfig(backend="sglang"), engine_factory=FakeSGLangEngine)
     sent, update = [], eng.engine.update_weights_from_tensor
@@ -93,7 +93,7 @@ def test_a_lora_version_is_served_as_sglang_adapters_loaded_from_tensors_as_the_
     # 0.5.23's: enable_lora at start, load_lora_adapter_from_tensors / unload_lora_adapter, lora_path per request
     from lora_learners import ivon_lora_learner
 
-    from threepo.services.lora import LoRAConfig
+    from threepo.services.model.lora import LoRAConfig
 
     learner = ivon_lora_learner(tiny_dense_path, LoRAConfig(rank=4, alpha=8.0), nudge_seed=9)
     model = learner.model.eval()

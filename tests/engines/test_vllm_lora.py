@@ -12,12 +12,11 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from conftest import CFG, EngineHost, RemoteEngine, _missing
 from lora_learners import ivon_lora_learner
 
-from threepo.services.engines.base import EngineRequest, SamplerConfig
-from threepo.services.messages import NoiseSpec, SamplingParams
+from threepo.services.sampling.engines.base import EngineRequest, SamplerConfig
+from threepo.services.wire.messages import NoiseSpec, SamplingParams
 
 pytestmark = pytest.mark.ray
 
@@ -26,7 +25,7 @@ RANK, ALPHA = 4, 8.0
 
 @pytest.fixture(scope="module")
 def learner(tiny_dense_path):
-    from threepo.services.lora import LoRAConfig
+    from threepo.services.model.lora import LoRAConfig
 
     learner = ivon_lora_learner(tiny_dense_path, LoRAConfig(rank=RANK, alpha=ALPHA), nudge_seed=9)  # B ≠ 0
     learner.model.eval()
@@ -116,6 +115,6 @@ def test_vllm_samples_a_calls_adapter_slots_in_one_batch_as_each_served_alone(en
 
 
 def _staging():
-    from threepo.services.engines.staging import staging_dir
+    from threepo.services.sampling.engines.staging import staging_dir
 
     return staging_dir()

@@ -14,11 +14,11 @@ import numpy as np
 import torch
 
 from threepo.algorithms import param_noise, weight_checks
-from threepo.services.engines.base import SamplerConfig
-from threepo.services.engines.staging import mapped_safetensors, stage_version
-from threepo.services.engines.vllm_engine import VLLMEngine
-from threepo.services.engines.vllm_worker import ThreepoWorkerExtension
-from threepo.services.messages import NoiseSpec
+from threepo.services.sampling.engines.base import SamplerConfig
+from threepo.services.sampling.engines.staging import mapped_safetensors, stage_version
+from threepo.services.sampling.engines.vllm_engine import VLLMEngine
+from threepo.services.sampling.engines.vllm_worker import ThreepoWorkerExtension
+from threepo.services.wire.messages import NoiseSpec
 
 
 class Worker(ThreepoWorkerExtension):
@@ -75,7 +75,7 @@ def test_a_staged_version_maps_back_bit_exactly_as_views_of_one_mapping(tmp_path
 
 
 def test_ranks_load_a_staged_version_by_path_stream_theta_and_hold_nothing_on_their_device(tmp_path, monkeypatch):
-    monkeypatch.setattr("threepo.services.engines.vllm_engine.staging_dir", lambda: str(tmp_path))
+    monkeypatch.setattr("threepo.services.sampling.engines.vllm_engine.staging_dir", lambda: str(tmp_path))
     workers = [Worker(tp=2), Worker(tp=2)]
     engine = object.__new__(VLLMEngine)  # the adapter without starting vLLM
     engine._lora = None  # a full-weight version, no LoRA serving

@@ -15,9 +15,9 @@ import torch
 
 from threepo.algorithms.param_noise import perturbed_state
 from threepo.algorithms.weight_checks import weights_checksum
-from threepo.services.engines.base import EngineRequest, SamplerConfig, WeightsMismatch
-from threepo.services.messages import NoiseSpec, SamplingParams
-from threepo.services.modeling import load_model, trainable_named_parameters
+from threepo.services.model.modeling import load_model, trainable_named_parameters
+from threepo.services.sampling.engines.base import EngineRequest, SamplerConfig, WeightsMismatch
+from threepo.services.wire.messages import NoiseSpec, SamplingParams
 
 TARGET = os.environ.get("THREEPO_GPU_TIER_DEVICE", "cuda")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(TARGET != "cuda" or not torch.cuda.is_available(),
@@ -29,10 +29,10 @@ def _engine(backend: str, path: str):
         pytest.skip(f"{backend} is not installed here")
     cfg = SamplerConfig(backend=backend, batch_size=16, seed=0, max_new_tokens=8, gpu_memory_utilization=0.3)
     if backend == "vllm":
-        from threepo.services.engines.vllm_engine import VLLMEngine
+        from threepo.services.sampling.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(path, cfg, dtype="float32")
-    from threepo.services.engines.sglang_engine import SGLangEngine
+    from threepo.services.sampling.engines.sglang_engine import SGLangEngine
 
     return SGLangEngine(path, cfg, dtype="float32")
 

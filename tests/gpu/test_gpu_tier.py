@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from threepo.algorithms import counter_normal, param_noise, weight_checks
-from threepo.services.engines.base import EngineRequest, SamplerConfig
-from threepo.services.engines.hf import HFEngine
-from threepo.services.learner.core import Learner
 from threepo.services.learner.config import AlgoConfig
+from threepo.services.learner.core import Learner
 from threepo.services.learner.optim_config import OptimConfig, SyncConfig
-from threepo.services.messages import NoiseSpec, SamplingParams
+from threepo.services.sampling.engines.base import EngineRequest, SamplerConfig
+from threepo.services.sampling.engines.hf import HFEngine
+from threepo.services.wire.messages import NoiseSpec, SamplingParams
 
 sys.path.insert(0, os.path.dirname(__file__))
 from workload import sampled_groups, step  # noqa: E402

@@ -8,11 +8,11 @@ from __future__ import annotations
 import random
 
 from threepo.algorithms.exploration import make_plan
-from threepo.services.batching import batches_from_groups
-from threepo.services.engines.base import EngineRequest
-from threepo.services.messages import (Completion, Group, NoiseSpec, SamplingParams, ScoredCompletion, VerifyResult,
-                                       VerifyStatus)
-from threepo.services.tasks import generate_items
+from threepo.services.sampling.engines.base import EngineRequest
+from threepo.services.tasks.synthetic import generate_items
+from threepo.services.wire.batching import batches_from_groups
+from threepo.services.wire.messages import (Completion, Group, NoiseSpec, SamplingParams, ScoredCompletion,
+                                            VerifyResult, VerifyStatus)
 
 
 def sampled_groups(engine, learner, exploration: str, n_slots: int, group_size: int, prompts: int,

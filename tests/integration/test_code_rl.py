@@ -13,8 +13,8 @@ import pytest
 from threepo.deploy.commands import make_run_dir
 from threepo.deploy.config import load_config
 from threepo.deploy.run import train
-from threepo.services.batching import logged_groups
-from threepo.services.messages import VerifyStatus
+from threepo.services.wire.batching import logged_groups
+from threepo.services.wire.messages import VerifyStatus
 
 pytestmark = [pytest.mark.ray, pytest.mark.skipif(shutil.which("bwrap") is None,
                                                   reason="bubblewrap missing: apt-get install -y bubblewrap")]

@@ -19,14 +19,13 @@ from threepo.deploy.commands import make_run_dir
 from threepo.deploy.config import load_config
 from threepo.deploy.learner_group import start_learner_group
 from threepo.deploy.run import train
-from threepo.services.batching import batches_from_groups
-from threepo.services.learner.core import Learner
 from threepo.services.learner.checkpoint import load_learner
-from threepo.services.learner.config import AlgoConfig
-from threepo.services.learner.optim_config import OptimConfig, SyncConfig
-from threepo.services.messages import Completion, Group, ScoredCompletion, VerifyResult, VerifyStatus
-from threepo.services.modeling import load_model, load_tokenizer, trainable_named_parameters
-from threepo.services.tasks import generate_items
+from threepo.services.learner.core import Learner
+from threepo.services.learner.optim_config import OptimConfig
+from threepo.services.model.modeling import load_model, load_tokenizer, trainable_named_parameters
+from threepo.services.tasks.synthetic import generate_items
+from threepo.services.wire.batching import batches_from_groups
+from threepo.services.wire.messages import Completion, Group, ScoredCompletion, VerifyResult, VerifyStatus
 
 pytestmark = pytest.mark.ray
 

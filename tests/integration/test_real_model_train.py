@@ -1,5 +1,5 @@
 """`threepo train` as a user runs it on a real pretrained model: SmolLM2-135M-Instruct on a GSM8K-shaped
-file (services/word_problems.py), its chat template applied by threepo, C3PO for 2 steps on local Ray,
+file (services/tasks/word_problems.py), its chat template applied by threepo, C3PO for 2 steps on local Ray,
 held-out evaluations before and after on the file's hashed held-out split. Short generations and few
 rows keep it within CI's budget."""
 
@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-from threepo.services.batching import logged_groups
 from threepo.deploy.config import load_config
-from threepo.services.prompting import NUMBER_INSTRUCTION, PromptEncoder
-from threepo.services.word_problems import write_gsm8k
+from threepo.services.tasks.prompting import NUMBER_INSTRUCTION, PromptEncoder
+from threepo.services.tasks.word_problems import write_gsm8k
+from threepo.services.wire.batching import logged_groups
 
 pytestmark = pytest.mark.ray
 

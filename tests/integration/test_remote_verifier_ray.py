@@ -22,8 +22,8 @@ TOKEN_ENV = "THREEPO_TEST_SANDBOX_TOKEN"
 @pytest.fixture(scope="module")
 def code_policy(tmp_path_factory) -> str:
     from threepo.services.bootstrap import BootstrapConfig, bootstrap
-    from threepo.services.modeling import ModelConfig
-    from threepo.services.tasks import TaskConfig
+    from threepo.services.model.modeling import ModelConfig
+    from threepo.services.tasks.synthetic import TaskConfig
 
     model = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
     cfg = BootstrapConfig(max_steps=80, eval_every=1000, eval_items=8, batch_size=32, warmup_steps=10,

@@ -22,7 +22,7 @@ from threepo.algorithms.noise_mask import noised_names
 from threepo.deploy.commands import make_run_dir
 from threepo.deploy.config import load_config
 from threepo.deploy.run import RunStopped, train
-from threepo.services.modeling import load_model
+from threepo.services.model.modeling import load_model
 
 pytestmark = pytest.mark.ray
 
@@ -43,7 +43,7 @@ def _metrics(run_dir):
 
 def _exact(run_dir, summary, steps, rollouts_per_step):
     """The records of a finished run are exact: every step once, every consumed completion once."""
-    from threepo.services.batching import logged_groups
+    from threepo.services.wire.batching import logged_groups
 
     rows = [r for r in _metrics(run_dir) if "reward_mean" in r]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -283,7 +283,7 @@ def test_dead_group_aware_exploration_and_dynamic_filter_keep_records_exact(ray_
                "algo.dynamic_filter=true", "algo.filter_replacements=0.5", "noise.target_kl=0")
     run_dir = make_run_dir(cfg, "train")
     summary = train(cfg, run_dir, tiny_dense_path)
-    from threepo.services.batching import logged_groups
+    from threepo.services.wire.batching import logged_groups
 
     groups = list(logged_groups(os.path.join(run_dir, "rollouts.log")))
     ids = [s.completion.completion_id for g in groups for s in g.completions]

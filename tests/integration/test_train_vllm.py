@@ -12,7 +12,7 @@ import pytest
 from threepo.deploy.commands import make_run_dir
 from threepo.deploy.config import load_config
 from threepo.deploy.run import train
-from threepo.services.modeling import load_model
+from threepo.services.model.modeling import load_model
 
 pytestmark = [pytest.mark.ray, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                   reason="vllm is not installed (README: vLLM engine on CPU)")]

@@ -12,16 +12,15 @@ pytestmark = pytest.mark.ray
 
 
 def test_ray_get_raises_verifier_outage_and_the_actor_lives_on(ray_session):
-    import ray
-
     from types import SimpleNamespace
 
     import numpy as np
+    import ray
 
     from threepo.deploy.actors import VerifierActor
-    from threepo.services.messages import STATUSES, TaskItem, VerifyStatus
-    from threepo.services.verifier_pool import VerifierConfig
     from threepo.services.verifiers.base import VerifierOutage
+    from threepo.services.verifiers.pool import VerifierConfig
+    from threepo.services.wire.messages import STATUSES, TaskItem, VerifyStatus
 
     def batch(item, text):  # the part of a CompletionBatch the verifier actor reads
         return SimpleNamespace(requests=(SimpleNamespace(item=item),), row_request=np.array([0]), texts=(text,),

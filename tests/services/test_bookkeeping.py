@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from threepo.algorithms.exploration import make_plan
-from threepo.deploy.bookkeeping import Ledger, PersistentFailure, Readmission, admission_open
-from threepo.deploy.stream import PromptStream, RangeSet
-from threepo.services.batching import INFRA, STATUSES
-from threepo.services.messages import GenerateReport, ScoreBatch, TaskItem, VerifyStatus
+from threepo.services.ledger.ledger import Ledger, PersistentFailure, Readmission, admission_open
+from threepo.services.ledger.stream import PromptStream, RangeSet
 from threepo.services.posterior import VersionPlan
+from threepo.services.wire.batching import INFRA, STATUSES
+from threepo.services.wire.messages import GenerateReport, ScoreBatch, TaskItem, VerifyStatus
 
 ITEMS = [TaskItem(uid=str(i), prompt=f"Q: {i}+1= A: ", answer=str(i + 1)) for i in range(50)]
 OK = STATUSES.index(VerifyStatus.OK)

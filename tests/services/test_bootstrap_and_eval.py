@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from threepo.services.bootstrap import BootstrapConfig, ensure_bootstrapped, heldout_pass1
-from threepo.services.modeling import ModelConfig, load_model, load_tokenizer
-from threepo.services.tasks import TaskConfig
+from threepo.services.model.modeling import ModelConfig, load_model, load_tokenizer
+from threepo.services.tasks.synthetic import TaskConfig
 
 
 @pytest.mark.slow

@@ -11,10 +11,10 @@ import sys
 import pytest
 from test_remote_sandbox import client_config, serve
 
-from threepo.services.messages import TaskItem, VerifyRequest, VerifyStatus
 from threepo.services.verifiers.code_verifiers import code_output, code_tests, extract_program, program_of
 from threepo.services.verifiers.harness import program_files, read_report, run_message, runner_source
 from threepo.services.verifiers.remote import RemoteSandboxVerifier
+from threepo.services.wire.messages import TaskItem, VerifyRequest, VerifyStatus
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap missing: apt-get install -y bubblewrap")

@@ -11,9 +11,9 @@ import shutil
 import pytest
 from test_remote_sandbox import client_config, serve
 
-from threepo.services.messages import TaskItem, VerifyRequest, VerifyStatus
 from threepo.services.verifiers.code_verifiers import code_tests
 from threepo.services.verifiers.remote import RemoteSandboxVerifier
+from threepo.services.wire.messages import TaskItem, VerifyRequest, VerifyStatus
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap missing: apt-get install -y bubblewrap")

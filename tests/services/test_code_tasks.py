@@ -7,10 +7,11 @@ import shutil
 
 import pytest
 
-from threepo.services.code_tasks import generate_code
-from threepo.services.messages import VerifyRequest, VerifyStatus
-from threepo.services.tasks import CHARSET, expected_completion, generate_items
+from threepo.services.model.tokenizer import CHARSET
+from threepo.services.tasks.code_tasks import generate_code
+from threepo.services.tasks.synthetic import expected_completion, generate_items
 from threepo.services.verifiers.base import load_verifier
+from threepo.services.wire.messages import VerifyRequest, VerifyStatus
 
 
 def items(split, n=40, seed=0, difficulty=1):

@@ -6,12 +6,10 @@ import shutil
 
 import pytest
 
-from threepo.services.messages import TaskItem, VerifyRequest, VerifyStatus
 from threepo.services.verifiers.base import load_verifier
-from threepo.services.verifiers.code_verifiers import (extract_program, normalize_output,
-                                                       score_run)
-from threepo.services.verifiers.sandbox import (RunResult, RunStatus, SandboxConfig,
-                                                SandboxUnavailableError)
+from threepo.services.verifiers.code_verifiers import extract_program, normalize_output, score_run
+from threepo.services.verifiers.sandbox import RunResult, RunStatus, SandboxConfig, SandboxUnavailableError
+from threepo.services.wire.messages import TaskItem, VerifyRequest, VerifyStatus
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
                                  reason="bubblewrap missing: apt-get install -y bubblewrap")

@@ -10,16 +10,14 @@ import math
 
 import msgpack
 import numpy as np
-
-from threepo.services.batching import batches_from_groups, report_of
 import pytest
 
-from threepo.services import codec, messages
-from threepo.services.codec import RolloutLog, decode, encode
-from threepo.services.messages import (
-    SCHEMA_VERSION, Completion, ConsumedStep, Group, NoiseSpec, PublishedVersion, RolloutRequest, SamplingParams,
-    ScoredCompletion, TaskItem, VerifyRequest, VerifyResult, VerifyStatus,
-)
+from threepo.services.wire import codec, messages
+from threepo.services.wire.batching import batches_from_groups, report_of
+from threepo.services.wire.codec import RolloutLog, decode, encode
+from threepo.services.wire.messages import (SCHEMA_VERSION, Completion, ConsumedStep, GeneratedSample, Group, NoiseSpec,
+                                            PublishedVersion, RolloutRequest, SamplingParams, ScoredCompletion,
+                                            TaskItem, VerifyRequest, VerifyResult, VerifyStatus)
 
 ITEM = TaskItem(uid="arith-00042", prompt="Q: 17+25=?\nA:", answer="42", verifier="math",
                 solution="17+25=42", family="arith", difficulty=2)
@@ -64,7 +62,8 @@ SAMPLES = [
 ]
 _SPECS, _BATCHES, _SCORES = batches_from_groups([Group("g7", ITEM, 3, 12, (SCORED, SCORED))])
 SAMPLES += [_SPECS[0], _BATCHES[0], _SCORES[0], report_of(_BATCHES[0]),
-            ConsumedStep(5, tuple(_SPECS), tuple(_BATCHES), tuple(_SCORES))]
+            ConsumedStep(5, tuple(_SPECS), tuple(_BATCHES), tuple(_SCORES)),
+            GeneratedSample(token_ids=(40, 41, 2), logprobs=(-0.125, -1.5, -0.0078125), finish_reason="stop", text="42")]
 
 
 def assert_same(a, b, where="msg"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from threepo.deploy.config import ConfigError, RunConfig, load_config, to_toml
-from threepo.services.prompting import NUMBER_INSTRUCTION
+from threepo.services.tasks.prompting import NUMBER_INSTRUCTION
 
 
 def test_defaults_and_overrides():
@@ -68,8 +68,9 @@ def test_resolved_config_is_a_valid_recipe(tmp_path):
 
 
 def test_shipped_recipes_load():
-    from threepo.deploy.config import CONFIG_DIR
     import os
+
+    from threepo.deploy.config import CONFIG_DIR
 
     names = [f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".toml")]
     assert "default" in names

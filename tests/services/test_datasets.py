@@ -1,4 +1,4 @@
-"""Datasets as users have them (services/datasets.py): GSM8K and MATH layouts as they ship, column
+"""Datasets as users have them (services/tasks/datasets.py): GSM8K and MATH layouts as they ship, column
 renames, one line naming the file, row and column for a row that lacks what its format needs, a
 stable hashed held-out split, and generation limits for files."""
 
@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from threepo.deploy.config import load_config
-from threepo.services.datasets import (DataConfig, eval_items, file_items, is_heldout, last_boxed, load_dataset,
-                                       split_note)
 from threepo.services.errors import UserInputError
+from threepo.services.tasks.datasets import (DataConfig, eval_items, file_items, is_heldout, last_boxed, load_dataset,
+                                             split_note)
 
 GSM8K = [{"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
                       "How many clips did Natalia sell altogether in April and May?",
@@ -109,8 +109,8 @@ def test_humaneval_as_it_ships(humaneval_path):
     assert first.code_prefix == first.prompt and first.entry_point == "has_close_elements" and first.answer == ""
     if shutil.which("bwrap") is None:
         return
-    from threepo.services.messages import VerifyRequest, VerifyStatus
     from threepo.services.verifiers.code_verifiers import code_tests
+    from threepo.services.wire.messages import VerifyRequest, VerifyStatus
 
     with gzip.open(humaneval_path) as f:  # canonical solutions, body only as HumanEval gives them
         bodies = [json.loads(line)["canonical_solution"] for line in f]

@@ -17,7 +17,7 @@ def test_the_shared_buffers_have_no_name_and_the_process_outlives_no_learner(tin
     code = f"""
 import os, tempfile
 from threepo.services.learner.drift_process import DriftProcess
-from threepo.services.modeling import load_model, trainable_named_parameters
+from threepo.services.model.modeling import load_model, trainable_named_parameters
 folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 before = set(os.listdir(folder))
 b = DriftProcess({tiny_dense_path!r}, trainable_named_parameters(load_model({tiny_dense_path!r})), 1.0)

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from threepo.algorithms import param_noise, weight_checks
-from threepo.services.engines.base import EngineRequest, SamplerConfig
-from threepo.services.engines.hf import HFEngine
-from threepo.services.messages import NoiseSpec
-from threepo.services.messages import SamplingParams
-from threepo.services.tasks import CHARSET
+from threepo.services.model.tokenizer import CHARSET
+from threepo.services.sampling.engines.base import EngineRequest, SamplerConfig
+from threepo.services.sampling.engines.hf import HFEngine
+from threepo.services.wire.messages import NoiseSpec, SamplingParams
 
 
 def test_tokenizer_round_trips_through_autotokenizer(tiny_dense_path):
@@ -60,9 +59,9 @@ def test_perturbation_is_identical_in_another_process(engine, tiny_dense_path):
     code = f"""
 import numpy as np, torch
 from threepo.algorithms.weight_checks import weights_checksum
-from threepo.services.engines.base import SamplerConfig
-from threepo.services.engines.hf import HFEngine
-from threepo.services.messages import NoiseSpec
+from threepo.services.sampling.engines.base import SamplerConfig
+from threepo.services.sampling.engines.hf import HFEngine
+from threepo.services.wire.messages import NoiseSpec
 e = HFEngine({tiny_dense_path!r}, SamplerConfig(threads=2))
 mean = {{n: p.detach().numpy().copy() for n, p in e._params.items()}}
 e.load_version(3, mean, {{n: np.full(a.shape, 0.02, dtype=np.float32) for n, a in mean.items()}},
@@ -182,7 +181,7 @@ def test_the_slot_bank_is_bounded_in_bytes_and_a_call_with_more_slots_takes_seve
 
 
 def test_a_slot_holds_only_the_tensors_sigma_covers_and_reads_the_rest_from_the_mean(tiny_dense_path):
-    from threepo.services.modeling import load_model
+    from threepo.services.model.modeling import load_model
 
     engine = HFEngine(tiny_dense_path, SamplerConfig(batch_size=8, seed=3))
     mean, full, checksum = _posterior(engine, scale=0.05)
@@ -212,7 +211,7 @@ def test_a_slot_holds_only_the_tensors_sigma_covers_and_reads_the_rest_from_the_
 
 
 def test_distinct_rows_are_found_per_weight_slot():
-    from threepo.services.engines.decoding import _distinct_rows
+    from threepo.services.sampling.engines.decoding import _distinct_rows
 
     rows = torch.tensor([[1, 2], [1, 2], [3, 4], [1, 2],    # slot 0: two distinct rows
                          [5, 5], [5, 5], [5, 5], [5, 5]])   # slot 1: one, repeated
@@ -224,9 +223,9 @@ def test_distinct_rows_are_found_per_weight_slot():
 
 
 def test_a_shared_prefill_gives_every_row_its_own_logits_and_cache(tiny_dense_path):
-    from threepo.services.engines.decoding import _shared_prefill
-    from threepo.services.engines.lean_decoder import LeanDecoder, WeightLayout
-    from threepo.services.modeling import load_model
+    from threepo.services.model.modeling import load_model
+    from threepo.services.sampling.engines.decoding import _shared_prefill
+    from threepo.services.sampling.engines.lean_decoder import LeanDecoder, WeightLayout
 
     model = load_model(tiny_dense_path).eval()
     params = dict(model.named_parameters())
@@ -298,7 +297,7 @@ def test_a_model_without_a_pad_token_samples_padded_batches(tiny_dense_path, tmp
     first stop token instead, and sampling runs as with one."""
     import shutil
 
-    from threepo.services.modeling import load_tokenizer
+    from threepo.services.model.modeling import load_tokenizer
 
     path = tmp_path / "no-pad"
     shutil.copytree(tiny_dense_path, path)

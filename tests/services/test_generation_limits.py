@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from threepo.deploy.config import load_config, to_toml
-from threepo.services.tasks import expected_completion, generate_items, max_new_tokens_for
+from threepo.services.tasks.synthetic import expected_completion, generate_items, max_new_tokens_for
 
 TIERS = [("arith", 1), ("arith", 2), ("arith", 3), ("countdown", 1), ("countdown", 2),
          ("code", 1), ("code", 2), ("code", 3)]

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from threepo.services.engines import lean_decoder
-from threepo.services.engines.lean_decoder import LeanDecoder, WeightLayout
+from threepo.services.sampling.engines import lean_decoder
+from threepo.services.sampling.engines.lean_decoder import LeanDecoder, WeightLayout
 
 COMMON = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
@@ -94,7 +94,7 @@ def test_fused_groups_are_views_of_the_flat_set_and_binding_keeps_the_model_exac
 
 
 def test_families_it_does_not_implement_are_not_claimed(tiny_moe_path):
-    from threepo.services.modeling import load_model
+    from threepo.services.model.modeling import load_model
 
     assert not lean_decoder.supports(load_model(tiny_moe_path))
 

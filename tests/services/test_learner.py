@@ -16,14 +16,14 @@ from threepo.algorithms import losses
 from threepo.algorithms.exploration import make_plan, update_seed
 from threepo.algorithms.noise_mask import NoiseConfig, noised_names
 from threepo.algorithms.param_noise import perturbed_state
-from threepo.services.batching import batches_from_groups, collate
+from threepo.services.learner.config import AlgoConfig
 from threepo.services.learner.core import Learner
 from threepo.services.learner.objective import make_estimator
-from threepo.services.learner.config import AlgoConfig
 from threepo.services.learner.optim_config import OptimConfig, SyncConfig
-from threepo.services.messages import Completion, Group, ScoredCompletion, VerifyResult, VerifyStatus
-from threepo.services.modeling import load_model, load_tokenizer, trainable_named_parameters
-from threepo.services.tasks import generate_items
+from threepo.services.model.modeling import load_model, load_tokenizer, trainable_named_parameters
+from threepo.services.tasks.synthetic import generate_items
+from threepo.services.wire.batching import batches_from_groups, collate
+from threepo.services.wire.messages import Completion, Group, ScoredCompletion, VerifyResult, VerifyStatus
 
 
 def _sample(model, tokenizer, prompt: str, n: int, gen: torch.Generator, max_new_tokens: int = 10):
@@ -579,7 +579,7 @@ def test_a_diverged_policy_stops_the_learner_with_one_line_naming_the_learning_r
 
 def test_the_probe_takes_runs_of_rows_sharing_a_prompt_and_measures_what_a_plain_forward_does(sampler, tiny_dense_path,
                                                                                              monkeypatch):
-    from threepo.services import prefix_forward
+    from threepo.services.model import prefix_forward
     learner = Learner(tiny_dense_path, AlgoConfig(exploration="c3po", n_slots=4, group_size=8), OptimConfig(),
                       SyncConfig(max_staleness=1), temperature=1.0, max_new_tokens=10,
                       noise=NoiseConfig(target_kl=0.01, probe_rows=16))  # the learner's probe (vllm, sglang)

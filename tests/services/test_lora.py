@@ -1,4 +1,4 @@
-"""LoRA adapters (services/lora.py) and the learner training them (optimizers.LoRAAdamW): the merged
+"""LoRA adapters (services/model/lora.py) and the learner training them (optimizers.LoRAAdamW): the merged
 weights are the adapted model, a step moves the adapters alone, a version publishes the merged model
 under the model's own names, the export is an HF checkpoint plus a PEFT adapter directory peft loads,
 and a checkpoint resumes only with the adapters it was written with."""
@@ -11,15 +11,15 @@ import os
 import numpy as np
 import pytest
 import torch
+from lora_learners import ivon_lora_learner  # tests/ is on sys.path
+from lora_learners import nudge_adapters as _nudge_adapters
+from test_learner import _groups, _step  # the learner tests' rollouts (tests/services is on sys.path)
 
 from threepo.services.learner.config import AlgoConfig
-from threepo.services.learner.optim_config import OptimConfig, SyncConfig
 from threepo.services.learner.core import Learner
-from threepo.services.lora import LoRAConfig, attach, merged_weights
-from threepo.services.modeling import load_model, load_tokenizer, trainable_named_parameters
-
-from lora_learners import ivon_lora_learner, nudge_adapters as _nudge_adapters  # tests/ is on sys.path
-from test_learner import _groups, _step  # the learner tests' rollouts (tests/services is on sys.path)
+from threepo.services.learner.optim_config import OptimConfig, SyncConfig
+from threepo.services.model.lora import LoRAConfig, attach, merged_weights
+from threepo.services.model.modeling import load_model, load_tokenizer, trainable_named_parameters
 
 LORA = LoRAConfig(rank=4, alpha=8.0)
 
@@ -98,7 +98,7 @@ def test_the_export_is_an_hf_checkpoint_and_a_peft_adapter_of_the_same_policy(sa
 
 def test_model_path_takes_an_adapter_directory_as_its_base_with_the_adapter_merged(tiny_dense_path, tmp_path,
                                                                                    monkeypatch):
-    from threepo.services.modeling import resolve_model
+    from threepo.services.model.modeling import resolve_model
 
     monkeypatch.setenv("THREEPO_CACHE", str(tmp_path / "cache"))
     learner = _lora_learner(tiny_dense_path)
@@ -132,7 +132,7 @@ def test_a_checkpoint_resumes_the_adapters_and_refuses_other_lora_settings(sampl
 
 def test_an_adapter_directory_without_a_usable_base_is_one_clear_error(tmp_path):
     from threepo.services.errors import MissingPathError
-    from threepo.services.modeling import resolve_model
+    from threepo.services.model.modeling import resolve_model
 
     (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA"}')
     with pytest.raises(MissingPathError, match="names no base_model_name_or_path"):
@@ -143,7 +143,7 @@ def test_an_adapter_directory_without_a_usable_base_is_one_clear_error(tmp_path)
 
 
 def test_the_kl_reference_under_lora_is_the_base_model_without_a_second_copy(sampler, tiny_dense_path):
-    from threepo.services.lora import adapters_off
+    from threepo.services.model.lora import adapters_off
 
     learner = Learner(tiny_dense_path, AlgoConfig(exploration="grpo", n_slots=1, group_size=8, kl_coef=0.1),
                       OptimConfig(name="adamw", lr=1e-2, weight_decay=0.0), SyncConfig(max_staleness=1),
@@ -233,9 +233,9 @@ def _lora_groups(sampler, learner):
 
 
 def test_an_adapter_posterior_version_is_adapter_sized_and_the_engine_serves_the_learners_slot(sampler, tiny_dense_path):
-    from threepo.services.engines.base import EngineRequest, SamplerConfig
-    from threepo.services.engines.hf import HFEngine
-    from threepo.services.messages import NoiseSpec, SamplingParams
+    from threepo.services.sampling.engines.base import EngineRequest, SamplerConfig
+    from threepo.services.sampling.engines.hf import HFEngine
+    from threepo.services.wire.messages import NoiseSpec, SamplingParams
 
     learner = _ivon_lora_learner(tiny_dense_path)
     _step(learner, _lora_groups(sampler, learner))
@@ -278,9 +278,9 @@ def test_an_adapter_posterior_version_is_adapter_sized_and_the_engine_serves_the
 def test_adapter_slots_decoded_together_sample_as_each_served_alone(sampler, tiny_dense_path):
     import numpy as np
 
-    from threepo.services.engines.base import EngineRequest, SamplerConfig
-    from threepo.services.engines.hf import HFEngine
-    from threepo.services.messages import NoiseSpec, SamplingParams
+    from threepo.services.sampling.engines.base import EngineRequest, SamplerConfig
+    from threepo.services.sampling.engines.hf import HFEngine
+    from threepo.services.wire.messages import NoiseSpec, SamplingParams
 
     learner = ivon_lora_learner(tiny_dense_path, LORA, nudge_seed=9)  # B ≠ 0 so the slots differ in both factors
     pv = learner.published()
@@ -301,9 +301,9 @@ def test_adapter_slots_decoded_together_sample_as_each_served_alone(sampler, tin
 
 def test_the_adapter_weight_check_refuses_a_changed_adapter_and_a_lora_version_after_a_full_one(sampler,
                                                                                                  tiny_dense_path):
-    from threepo.services.engines.base import EngineRequest, SamplerConfig, WeightsMismatch
-    from threepo.services.engines.hf import HFEngine
-    from threepo.services.messages import NoiseSpec, SamplingParams
+    from threepo.services.sampling.engines.base import EngineRequest, SamplerConfig, WeightsMismatch
+    from threepo.services.sampling.engines.hf import HFEngine
+    from threepo.services.wire.messages import NoiseSpec, SamplingParams
 
     pv = _ivon_lora_learner(tiny_dense_path).published()
     engine = HFEngine(tiny_dense_path, SamplerConfig(batch_size=8, seed=3))
@@ -352,9 +352,9 @@ def test_an_adapter_posterior_checkpoint_resumes_and_refuses_other_lora_settings
 
 def test_adamw_adapter_versions_ship_the_adapters_alone_and_the_hf_engine_serves_the_merged_policy(sampler,
                                                                                                   tiny_dense_path):
-    from threepo.services.engines.base import EngineRequest, SamplerConfig
-    from threepo.services.engines.hf import HFEngine
-    from threepo.services.messages import SamplingParams
+    from threepo.services.sampling.engines.base import EngineRequest, SamplerConfig
+    from threepo.services.sampling.engines.hf import HFEngine
+    from threepo.services.wire.messages import SamplingParams
 
     learner = Learner(tiny_dense_path, AlgoConfig(exploration="grpo", n_slots=1, group_size=8),
                       OptimConfig(name="adamw", lr=1e-2, weight_decay=0.0), SyncConfig(max_staleness=1),

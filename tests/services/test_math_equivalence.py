@@ -5,9 +5,9 @@ import asyncio
 
 import pytest
 
-from threepo.services.messages import TaskItem, VerifyRequest, VerifyStatus
 from threepo.services.verifiers.math_answers import normalize_number
 from threepo.services.verifiers.math_verifier import MathVerifier
+from threepo.services.wire.messages import TaskItem, VerifyRequest, VerifyStatus
 
 OK, WRONG, MALFORMED = VerifyStatus.OK, VerifyStatus.WRONG, VerifyStatus.MALFORMED
 

@@ -4,11 +4,10 @@ import threading
 
 import pytest
 
-from threepo.services.messages import TaskItem, VerifyRequest, VerifyStatus
 from threepo.services.verifiers import math_verifier
 from threepo.services.verifiers.base import load_verifier
-from threepo.services.verifiers.math_verifier import (CountdownVerifier, MathVerifier,
-                                                      final_boxed)
+from threepo.services.verifiers.math_verifier import CountdownVerifier, MathVerifier, final_boxed
+from threepo.services.wire.messages import TaskItem, VerifyRequest, VerifyStatus
 
 OK, WRONG, MALFORMED = VerifyStatus.OK, VerifyStatus.WRONG, VerifyStatus.MALFORMED
 # math-verify cannot compare this power within its own limits (it takes > 5 s uncapped).
@@ -193,7 +192,7 @@ def test_countdown_format_rules_and_bad_items():
 
 def test_last_number_extraction_for_models_that_do_not_box():
     from threepo.deploy.config import load_config
-    from threepo.services.verifier_pool import VerifierPool
+    from threepo.services.verifiers.pool import VerifierPool
 
     item = TaskItem(uid="g", prompt="q", answer="1000")
     pool = VerifierPool(load_config(None, ['verifier.options=[["math", "answer", "last_number"]]']).verifier

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from threepo.services.engines.base import SamplerConfig, WeightsMismatch
-from threepo.services.engines.hf import HFEngine
-from threepo.services.messages import NoiseSpec, PublishedVersion
 from threepo.algorithms.weight_checks import weights_checksum
 from threepo.services.posterior import PosteriorConfig, PosteriorServer
+from threepo.services.sampling.engines.base import SamplerConfig, WeightsMismatch
+from threepo.services.sampling.engines.hf import HFEngine
+from threepo.services.wire.messages import NoiseSpec, PublishedVersion
 
 
 def _pv(version, scale=0.01, sigma=True, shapes=None):

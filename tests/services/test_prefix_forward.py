@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from threepo.services import prefix_forward
-from threepo.services.modeling import load_model
-from threepo.services.prefix_forward import prompt_runs, row_token_stats, shared_prefix_hidden
+from threepo.services.model import prefix_forward
+from threepo.services.model.modeling import load_model
+from threepo.services.model.prefix_forward import prompt_runs, row_token_stats, shared_prefix_hidden
 
 
 def _batch(group_size=4, groups=3, seed=1):

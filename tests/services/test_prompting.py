@@ -1,4 +1,4 @@
-"""The one tokenization place (services/prompting.py): chat templates applied as transformers applies
+"""The one tokenization place (services/tasks/prompting.py): chat templates applied as transformers applies
 them, BOS once, raw text for models without a template, the stop tokens of tokenizer, generation
 config and template, pad = EOS where a model has none, and one clear line for a template that
 cannot be applied. (A real BPE model with its own template: tests/engines/test_real_model.py.)"""
@@ -11,8 +11,9 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from threepo.services.errors import UserInputError
-from threepo.services.prompting import BOXED_INSTRUCTION, CODE_INSTRUCTION, PromptConfig, PromptEncoder, generation_eos
-from threepo.services.tokenizer import build_tokenizer
+from threepo.services.model.tokenizer import build_tokenizer
+from threepo.services.tasks.prompting import (BOXED_INSTRUCTION, CODE_INSTRUCTION, PromptConfig, PromptEncoder,
+                                              generation_eos)
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -10,12 +10,12 @@ import time
 import pytest
 from aiohttp import web
 
-from threepo.services.messages import TaskItem, VerifyRequest, VerifyStatus
 from threepo.services.verifiers.base import VerifierOutage, load_verifier
-from threepo.services.verifiers.remote import (RemoteSandboxConfig, RemoteSandboxVerifier,
-                                               SandboxAuthError, SandboxClient)
+from threepo.services.verifiers.remote import (RemoteSandboxConfig, RemoteSandboxVerifier, SandboxAuthError,
+                                               SandboxClient)
 from threepo.services.verifiers.sandbox import SandboxConfig
 from threepo.services.verifiers.sandbox_server import SandboxServerConfig, make_app
+from threepo.services.wire.messages import TaskItem, VerifyRequest, VerifyStatus
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap missing: apt-get install -y bubblewrap")

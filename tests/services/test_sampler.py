@@ -5,25 +5,23 @@ stats and metrics."""
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
-
 import logging
+from collections import defaultdict
 
 import numpy as np
 import pytest
 import torch
 
 from threepo.algorithms.weight_checks import weights_checksum
-
-from threepo.services.batching import completions_of
-from threepo.services.engines.base import SamplerConfig, WeightsMismatch
-from threepo.services.engines.hf import HFEngine
-from threepo.services.messages import PublishedVersion, RolloutRequest, TaskItem
 from threepo.services.metrics import PrometheusMetrics
+from threepo.services.model.tokenizer import build_tokenizer
 from threepo.services.posterior import PosteriorConfig, PosteriorServer
-from threepo.services.prompting import PromptConfig, PromptEncoder
-from threepo.services.sampler import Sampler
-from threepo.services.tokenizer import build_tokenizer
+from threepo.services.sampling.engines.base import SamplerConfig, WeightsMismatch
+from threepo.services.sampling.engines.hf import HFEngine
+from threepo.services.sampling.sampler import Sampler
+from threepo.services.tasks.prompting import PromptConfig, PromptEncoder
+from threepo.services.wire.batching import completions_of
+from threepo.services.wire.messages import PublishedVersion, RolloutRequest, TaskItem
 
 PROMPTS = PromptEncoder(build_tokenizer(), PromptConfig())  # the tiny checkpoint's tokenizer: raw text
 

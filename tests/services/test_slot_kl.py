@@ -4,7 +4,6 @@ from those measurements holding the slots at the target."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
@@ -16,18 +15,19 @@ from threepo.algorithms.noise_mask import NoiseConfig
 from threepo.algorithms.noise_scale import feedback_scale, policy_kl
 from threepo.algorithms.param_noise import perturbed_state
 from threepo.algorithms.weight_checks import weights_checksum
-from threepo.services.batching import collate, score_batch
-from threepo.services.engines.base import EngineRequest, SamplerConfig
-from threepo.services.engines.hf import HFEngine
 from threepo.services.learner.config import AlgoConfig
-from threepo.services.learner.optim_config import OptimConfig, SyncConfig
 from threepo.services.learner.core import Learner
-from threepo.services.messages import GroupRows, NoiseSpec, RolloutRequest, SamplingParams, VerifyResult, VerifyStatus
-from threepo.services.modeling import load_model
-from threepo.services.prompting import PromptConfig, PromptEncoder
-from threepo.services.sampler import KL_POSITIONS, Sampler
-from threepo.services.tasks import generate_items
-from threepo.services.tokenizer import build_tokenizer
+from threepo.services.learner.optim_config import OptimConfig, SyncConfig
+from threepo.services.model.modeling import load_model
+from threepo.services.model.tokenizer import build_tokenizer
+from threepo.services.sampling.engines.base import EngineRequest, SamplerConfig
+from threepo.services.sampling.engines.hf import HFEngine
+from threepo.services.sampling.sampler import KL_POSITIONS, Sampler
+from threepo.services.tasks.prompting import PromptConfig, PromptEncoder
+from threepo.services.tasks.synthetic import generate_items
+from threepo.services.wire.batching import collate, score_batch
+from threepo.services.wire.messages import (GroupRows, NoiseSpec, RolloutRequest, SamplingParams, VerifyResult,
+                                            VerifyStatus)
 
 PROMPTS = PromptEncoder(build_tokenizer(), PromptConfig())  # the tiny checkpoint's tokenizer: raw text
 T = 0.9
@@ -106,7 +106,7 @@ def test_the_moe_model_without_a_lean_decoder_measures_through_transformers(tiny
 def test_an_adapter_slots_kl_is_measured_over_the_base_it_is_served_on(tiny_dense_path):
     from lora_learners import ivon_lora_learner
 
-    from threepo.services.lora import LoRAConfig
+    from threepo.services.model.lora import LoRAConfig
 
     pv = ivon_lora_learner(tiny_dense_path, LoRAConfig(rank=4, alpha=8.0), nudge_seed=1).published()
     engine = HFEngine(tiny_dense_path, SamplerConfig(batch_size=16))

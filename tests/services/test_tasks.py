@@ -7,11 +7,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from threepo.services.datasets import load_dataset
-from threepo.services.messages import VerifyRequest, VerifyStatus
-from threepo.services.tasks import (CHARSET, FAMILIES, SPLITS, TaskConfig, expected_completion,
-                                    generate_items, split_of)
+from threepo.services.model.tokenizer import CHARSET
+from threepo.services.tasks.datasets import load_dataset
+from threepo.services.tasks.synthetic import FAMILIES, SPLITS, TaskConfig, expected_completion, generate_items, split_of
 from threepo.services.verifiers.base import load_verifier
+from threepo.services.wire.messages import VerifyRequest, VerifyStatus
 
 LEVELS = [("arith", 1), ("arith", 2), ("arith", 3), ("countdown", 1), ("countdown", 2)]
 

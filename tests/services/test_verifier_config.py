@@ -11,9 +11,9 @@ import pytest
 
 from threepo.deploy.config import ConfigError, load_config, to_toml
 from threepo.services.errors import UserInputError
-from threepo.services.messages import TaskItem, VerifyRequest, VerifyResult, VerifyStatus
-from threepo.services.verifier_pool import VerifierConfig, VerifierPool, auth_token
 from threepo.services.verifiers.base import VerifierOutage
+from threepo.services.verifiers.pool import VerifierConfig, VerifierPool, auth_token
+from threepo.services.wire.messages import TaskItem, VerifyRequest, VerifyResult, VerifyStatus
 
 ROUTE = 'verifier.route=[["code_output", "remote_sandbox"]]'
 
@@ -104,8 +104,8 @@ def test_verifier_outage_reaches_the_caller_and_stops_the_batch():
 
 
 def test_evaluation_verifies_through_the_pool_concurrently_and_closes_its_verifiers():
-    from threepo.services.engines.base import GeneratedSample
     from threepo.services.evaluation import evaluate
+    from threepo.services.wire.messages import GeneratedSample
 
     class Flaky(Recorder):
         in_flight = peak = closed = 0
@@ -142,8 +142,8 @@ def test_evaluation_verifies_through_the_pool_concurrently_and_closes_its_verifi
 
 def test_evaluation_keeps_each_items_count_so_pass_at_any_k_is_the_unbiased_estimate():
     from threepo.algorithms.pass_at_k import pass_at_k
-    from threepo.services.engines.base import GeneratedSample
     from threepo.services.evaluation import evaluate
+    from threepo.services.wire.messages import GeneratedSample
 
     class Prompts:
         stop_ids = (1,)

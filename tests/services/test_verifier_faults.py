@@ -15,12 +15,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from threepo.services.messages import TaskItem, VerifyRequest, VerifyStatus
-from threepo.services.verifier_pool import VerifierConfig, VerifierPool
 from threepo.services.verifiers.base import VerifierOutage
 from threepo.services.verifiers.fault_proxy import FaultConfig, FaultProxy
+from threepo.services.verifiers.pool import VerifierConfig, VerifierPool
 from threepo.services.verifiers.sandbox import SandboxConfig
 from threepo.services.verifiers.sandbox_server import SERVICE, SandboxServerConfig, make_app
+from threepo.services.wire.messages import TaskItem, VerifyRequest, VerifyStatus
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap missing: apt-get install -y bubblewrap")

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from threepo.services.messages import TaskItem, VerifyRequest, VerifyResult, VerifyStatus
 from threepo.services.metrics import PrometheusMetrics
-from threepo.services.verifier_pool import VerifierPool, VerifierPoolConfig
+from threepo.services.verifiers.pool import VerifierPool, VerifierPoolConfig
+from threepo.services.wire.messages import TaskItem, VerifyRequest, VerifyResult, VerifyStatus
 
 NAN = float("nan")
 

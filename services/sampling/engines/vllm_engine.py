@@ -48,12 +48,12 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from threepo.services.engines.base import (EngineRequest, GeneratedSample, SamplerConfig, ServeReport,
-                                           WeightsMismatch, check_version, received_adapters)
-from threepo.services.engines.staging import remove_staged, stage_version, staging_dir
-from threepo.services.messages import NoiseSpec, SamplingParams
+from threepo.services.sampling.engines.base import (EngineRequest, SamplerConfig, ServeReport, WeightsMismatch,
+                                                    check_version, received_adapters)
+from threepo.services.sampling.engines.staging import remove_staged, stage_version, staging_dir
+from threepo.services.wire.messages import GeneratedSample, NoiseSpec, SamplingParams
 
-WORKER_EXTENSION = "threepo.services.engines.vllm_worker.ThreepoWorkerExtension"
+WORKER_EXTENSION = "threepo.services.sampling.engines.vllm_worker.ThreepoWorkerExtension"
 
 
 def configure_environment(cfg: SamplerConfig) -> None:
@@ -274,11 +274,10 @@ class LoRAVersion:
         """Write slot (seed, c) if it is not staged; (whether the file holds what was computed, the
         served-noise ratio of the adapter factors in the served dtype)."""
         import torch
-
         from vllm.lora.request import LoRARequest
 
         from threepo.algorithms import param_noise, weight_checks
-        from threepo.services.lora import adapter_config, write_adapter
+        from threepo.services.model.lora import adapter_config, write_adapter
 
         key = (seed, scale)
         if key not in self.slots:

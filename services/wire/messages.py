@@ -6,9 +6,9 @@ numpy zero-copy, torch tensors with a pickle copy). The hot path is arrays: a sa
 and to the learner, a verifier returns a `ScoreBatch`, and the driver sees only the small
 `GenerateReport` and `ScoreBatch` and tells the learner which rows form each group (`GroupRows`).
 `Completion`, `ScoredCompletion` and `Group` are the per-completion record form (tests, reading a
-rollout log), built off the hot path by services/batching.py; the rollout log itself keeps each
+rollout log), built off the hot path by services/wire/batching.py; the rollout log itself keeps each
 step's arrays (`ConsumedStep`). Messages that leave a process outside Ray
-(rollout logs, the rollout buffer in checkpoints, remote verifiers) go through `services/codec.py`,
+(rollout logs, the rollout buffer in checkpoints, remote verifiers) go through `services/wire/codec.py`,
 which stamps them with `SCHEMA_VERSION`.
 """
 
@@ -38,6 +38,16 @@ class VerifyStatus(str, enum.Enum):
     COMPILE_ERROR = "compile_error"
     RUNTIME_ERROR = "runtime_error"
     INFRA_ERROR = "infra_error"
+
+
+@dataclass(frozen=True)
+class GeneratedSample:
+    """What an engine returns for one sampled sequence (the Sampler service adds ids and tags: `Completion`); `completion_batch` in services/wire/batching.py packs them."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str  # "stop" (EOS sampled, the EOS token included) or "length"
+    text: str
 
 
 @dataclass(frozen=True)
@@ -141,7 +151,7 @@ class RolloutRequest:
 
     `request_id` is unique per admitted request and deterministic (group id + slot), so a request
     re-issued after a sampler crash yields completions with the same ids, which the driver's ledger
-    then drops as duplicates (exactly-once consumption, deploy/bookkeeping.py)."""
+    then drops as duplicates (exactly-once consumption, services/ledger/ledger.py)."""
 
     request_id: str
     group_id: str
@@ -229,7 +239,7 @@ class CompletionBatch:
     finish_stop: np.ndarray   # [B] bool: EOS sampled (else cut at the length limit)
     texts: tuple[str, ...]    # [B] decoded completions
     generate_s: float         # engine time of the call
-    # the noise control's measurement where the sampler made one (services/sampler.py): for row b,
+    # the noise control's measurement where the sampler made one (services/sampling/sampler.py): for row b,
     # Σ_t KL(π_θ̂ ‖ π_m) over its first slot_kl_positions[b] completion tokens (0 positions: not measured)
     slot_kl: np.ndarray | None = None            # [B] float32
     slot_kl_positions: np.ndarray | None = None  # [B] int32
@@ -299,7 +309,7 @@ class PublishedVersion:
     None: the server draws the seeds of its plan itself, at scale 1. `noise_rank`: the rank of each
     slot's noise per matrix (`[noise] rank`; 0: full noise). `lora`: (r, α) when the version is a LoRA
     adapter posterior (`[lora]` with IVON): `mean` and `sigma` are then the adapters' alone, which engines
-    serve over the base weights they loaded (services/engines/slot_bank.py `Adapters`)."""
+    serve over the base weights they loaded (services/sampling/engines/slot_bank.py `Adapters`)."""
 
     learner_step: int
     reason: str

@@ -11,7 +11,7 @@ Levels (`difficulty`):
 
 Generated with `services.tasks.generate_items("code", split, n, seed=..., difficulty=...)`, which
 decides the train / held-out split from the canonical key returned here. Prompts, answers and
-solutions use only the tokenizer's alphabet (`services.tasks.CHARSET`); programs are one line,
+solutions use only the tokenizer's alphabet (`CHARSET`, services/model/tokenizer.py); programs are one line,
 since the alphabet has no newline. Answers are computed here directly, never by running code.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 import string
 
-from threepo.services.messages import TaskItem
+from threepo.services.wire.messages import TaskItem
 
 
 def _word(rng: random.Random) -> str:

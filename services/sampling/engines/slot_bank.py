@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from threepo.algorithms import param_noise, weight_checks
-from threepo.services.engines.lean_decoder import WeightLayout
+from threepo.services.sampling.engines.lean_decoder import WeightLayout
 
 Key = tuple  # (seed, σ multiplier) of a slot
 
@@ -140,7 +140,7 @@ def write_slot(views: Mapping[str, torch.Tensor], mean: Mapping[str, torch.Tenso
 
 
 class Adapters:
-    """A LoRA version as an engine holds it (services/lora.py publishes it): the base weights W0 as
+    """A LoRA version as an engine holds it (services/model/lora.py publishes it): the base weights W0 as
     the engine loaded them, and the adapter posterior — m and σ of each `<layer>.lora_A.<x>.weight`
     [r, in] and `<layer>.lora_B.<x>.weight` [out, r] under the learner's names — scaled by s = α / r.
     The layer `<layer>.weight` is served as W0 + s · B̂ Â (`param_noise.lora_perturbed`)."""

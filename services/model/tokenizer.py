@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from threepo.services.tasks import CHARSET
-
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
+# The alphabet of the synthetic tasks (services/tasks/synthetic.py keeps every prompt, answer and
+# solution inside it): changing it changes every token id of the embedded default.
+CHARSET = " 0123456789abcdefghijklmnopqrstuvwxyzQA+-*/=()?:.,<>\\{}[]_^'\"%!"
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 SPECIALS = (PAD, EOS, UNK)
 

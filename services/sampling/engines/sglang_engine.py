@@ -57,13 +57,13 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from threepo.algorithms.param_noise import estimated_noise_ratio
-from threepo.services.engines.base import (EngineRequest, GeneratedSample, SamplerConfig, ServeReport,
-                                           WeightsMismatch, check_version, received_adapters)
-from threepo.services.engines.sglang_loader import STATUS_ENV
-from threepo.services.engines.staging import remove_staged, stage_version, staging_dir
-from threepo.services.messages import NoiseSpec, SamplingParams
+from threepo.services.sampling.engines.base import (EngineRequest, SamplerConfig, ServeReport, WeightsMismatch,
+                                                    check_version, received_adapters)
+from threepo.services.sampling.engines.sglang_loader import STATUS_ENV
+from threepo.services.sampling.engines.staging import remove_staged, stage_version, staging_dir
+from threepo.services.wire.messages import GeneratedSample, NoiseSpec, SamplingParams
 
-_LOADER = "threepo.services.engines.sglang_loader"
+_LOADER = "threepo.services.sampling.engines.sglang_loader"
 LOADERS = {op: f"{_LOADER}.{op}" for op in ("store", "serve", "hold", "verify")}
 _CONTROL = "__threepo__"  # prefix of control tensors (seed, version, checksum); never a model weight
 
@@ -162,7 +162,7 @@ class SGLangEngine:
     def _adapter(self, seed: int | None, scale: float) -> tuple[str, bool, str]:
         """The name of slot (seed, c)'s adapter in SGLang, loaded if it is not; (name, ok, message)."""
         from threepo.algorithms import param_noise
-        from threepo.services.lora import adapter_config, peft_config_dict, peft_tensors
+        from threepo.services.model.lora import adapter_config, peft_config_dict, peft_tensors
 
         held = self._lora
         if (seed, scale) in held["loaded"]:

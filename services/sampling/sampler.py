@@ -1,7 +1,7 @@
 """The sampler service: one engine, turning rollout requests into tagged completions
 (architecture.md §2.2).
 
-A Sampler holds one engine (services/engines/), the prompt encoder of its model (services/prompting.py:
+A Sampler holds one engine (services/sampling/engines/), the prompt encoder of its model (services/tasks/prompting.py:
 every prompt reaches the engine as token ids, with the model's stop tokens) and the posterior version it
 was last given. Calls are
 sequential, so a new version (`update`) takes effect at the next request boundary by construction.
@@ -9,7 +9,7 @@ sequential, so a new version (`update`) takes effect at the next request boundar
 slot's noise locally from the seed and scales it — and samples all of that slot's prompts together;
 an engine with `slots_together` (hf on the lean decoder's families) takes a call's several slots at once and decodes them in shared
 forward passes, each row under its own slot's weights. A call's completions come
-back as one `CompletionBatch` (arrays, services/messages.py) carrying what the driver and learner need
+back as one `CompletionBatch` (arrays, services/wire/messages.py) carrying what the driver and learner need
 for exactly-once delivery, off-policy correction and the weight check: deterministic completion ids
 (request id / index, so a re-issued request yields the same ids), this engine's id and incarnation
 and per-engine sequence numbers (gaps reveal lost work), the policy version, each request's slot
@@ -36,18 +36,17 @@ Not here: choosing slots or engines (the driver), comparing checksums across rol
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
 
-import dataclasses
-
 from threepo.algorithms.exploration import redraw_seed
 from threepo.algorithms.param_noise import tensor_seed
-from threepo.services.engines.base import EngineRequest, ServeReport, WeightsMismatch
-from threepo.services.batching import completion_batch
-from threepo.services.messages import CompletionBatch, NoiseSpec, RolloutRequest, SamplingParams
 from threepo.services.metrics import CATALOGUE, Metrics, register_catalogue
+from threepo.services.sampling.engines.base import EngineRequest, ServeReport, WeightsMismatch
+from threepo.services.wire.batching import completion_batch
+from threepo.services.wire.messages import CompletionBatch, NoiseSpec, RolloutRequest, SamplingParams
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -55,8 +54,8 @@ if TYPE_CHECKING:
     import numpy as np
 
     from threepo.algorithms.noise_mask import NoiseConfig
-    from threepo.services.engines.base import Engine, SamplerConfig
-    from threepo.services.prompting import PromptEncoder
+    from threepo.services.sampling.engines.base import Engine, SamplerConfig
+    from threepo.services.tasks.prompting import PromptEncoder
 
 _METRICS = ("threepo_tokens_generated_total", "threepo_completions_total", "threepo_sync_bytes_total",
             "threepo_sync_seconds", "threepo_served_noise_ratio", "threepo_weight_check_failures_total")

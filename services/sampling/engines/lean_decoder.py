@@ -24,7 +24,7 @@ hold only those in their sets (`slots` = (their layout, [S, n]); `slot_names`): 
 read from the one shared set, its matmul one over all S·b rows — the head, the largest, is read once
 per step whatever S is.
 
-Slots that are LoRA adapter samples (services/engines/slot_bank.py `Adapters`) share one base set
+Slots that are LoRA adapter samples (services/sampling/engines/slot_bank.py `Adapters`) share one base set
 instead: `adapters[name] = (Â [S, r, in], B̂ [S, out, r])` per adapted weight, and each projection is
 W0 x, one matmul over all S·b rows, plus s · B̂_s Â_s x for set s's rows (two small batched matmuls;
 Hu et al. 2021, eq. 3) — the base is read once per step whatever S is.

@@ -36,10 +36,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from threepo.services.errors import UserInputError
-from threepo.services.messages import VerifyRequest, VerifyResult, VerifyStatus
 from threepo.services.metrics import CATALOGUE, Metrics, register_catalogue
 from threepo.services.verifiers.base import (BACKOFF_BASE_S, BACKOFF_MAX_S, INFRA_RETRIES, JITTER, MAX_CONCURRENCY,
                                              Verifier, VerifierOutage, load_verifier)
+from threepo.services.wire.messages import VerifyRequest, VerifyResult, VerifyStatus
 
 if TYPE_CHECKING:
     from threepo.services.verifiers.remote import RemoteSandboxConfig

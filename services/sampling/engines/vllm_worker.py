@@ -26,7 +26,7 @@ reload skips a tied lm_head, whose packed copy would then keep the old weights (
 previous policy): `_repack_tied_cpu_weights` re-packs it, and the check compares every packed copy
 with its weight.
 
-Not here: scheduling, sampling or versions (services/engines/vllm_engine.py). Importing this module
+Not here: scheduling, sampling or versions (services/sampling/engines/vllm_engine.py). Importing this module
 imports only torch and threepo.algorithms (vLLM imports it inside every worker).
 """
 
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from threepo.algorithms import param_noise, weight_checks
-from threepo.services.engines.staging import mapped_safetensors
+from threepo.services.sampling.engines.staging import mapped_safetensors
 
 
 class ThreepoWorkerExtension:

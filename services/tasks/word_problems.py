@@ -2,7 +2,7 @@
 arithmetic about people and things, each row `{"question": ..., "answer": "<worked steps>\\n#### N"}`
 with GSM8K's `<<a+b=c>>` calculator annotations, so a file of them loads with `data.format=gsm8k`
 exactly as GSM8K itself does. Plain questions: the prompt's template and instruction are the run's
-(services/prompting.py). Deterministic in (n, seed); the questions are distinct.
+(services/tasks/prompting.py). Deterministic in (n, seed); the questions are distinct.
 """
 
 from __future__ import annotations

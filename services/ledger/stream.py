@@ -1,11 +1,11 @@
-"""The driver's prompt stream and the compact index sets its ledger keeps (deploy/bookkeeping.py)."""
+"""The driver's prompt stream and the compact index sets its ledger keeps (services/ledger/ledger.py)."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
 
-from threepo.services.messages import TaskItem
+from threepo.services.wire.messages import TaskItem
 
 
 class PromptStream:

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from threepo.services.messages import (STATUSES, Completion, CompletionBatch, ConsumedStep, GenerateReport, Group,
-                                       GroupRows, RolloutRequest, ScoreBatch, ScoredCompletion, VerifyRequest,
-                                       VerifyResult, VerifyStatus)
+from threepo.services.wire.messages import (STATUSES, Completion, CompletionBatch, ConsumedStep, GeneratedSample,
+                                            GenerateReport, Group, GroupRows, RolloutRequest, ScoreBatch,
+                                            ScoredCompletion, VerifyRequest, VerifyResult, VerifyStatus)
 
 _CODE = {s: i for i, s in enumerate(STATUSES)}
 INFRA = _CODE[VerifyStatus.INFRA_ERROR]
@@ -197,7 +197,7 @@ def group_records(groups: Sequence[GroupRows], batches: Sequence[CompletionBatch
 def logged_groups(path: str) -> Iterator[Group]:
     """The consumed groups of the rollout log at `path` in record form, in step order (a log written
     before logs kept arrays holds Group records: they come as they are)."""
-    from threepo.services.codec import RolloutLog
+    from threepo.services.wire.codec import RolloutLog
 
     for record in RolloutLog.read(path):
         if isinstance(record, ConsumedStep):
@@ -208,8 +208,6 @@ def logged_groups(path: str) -> Iterator[Group]:
 
 def batches_from_groups(groups: Sequence[Group]) -> tuple[list[GroupRows], list[CompletionBatch], list[ScoreBatch]]:
     """The array form of record-form groups: one batch per request (tests, replaying a rollout log)."""
-    from threepo.services.engines.base import GeneratedSample
-
     specs, batches, scores = [], [], []
     for g in groups:
         parts, by_request = [], {}

@@ -1,4 +1,4 @@
-"""msgpack wire format for the messages of `services/messages.py`, outside Ray.
+"""msgpack wire format for the messages of `services/wire/messages.py`, outside Ray.
 
 Everything that leaves a process without Ray's own serialisation goes through here: rollout logs,
 the rollout buffer inside checkpoints, remote verifiers. A record is an envelope
@@ -8,7 +8,7 @@ schema version or type, saying which it got and what it expected, instead of gue
 Values round-trip exactly: nested message dataclasses and enums carry their class name, tuples stay
 tuples and lists stay lists, numpy arrays travel as (dtype, shape, raw bytes) and numpy scalars as
 (dtype, raw bytes), floats as float64 (so NaN rewards survive). Only classes defined in
-`services/messages.py` are encoded or decoded: there is no registry to extend.
+`services/wire/messages.py` are encoded or decoded: there is no registry to extend.
 
 `RolloutLog` is an append-only file of length-prefixed records with a CRC32 per record. A torn last
 record (the writer died mid-append) is reported and skipped by the reader, and cut off when the log is
@@ -34,8 +34,8 @@ from typing import Any, BinaryIO
 import msgpack
 import numpy as np
 
-from threepo.services import messages
-from threepo.services.messages import SCHEMA_VERSION
+from threepo.services.wire import messages
+from threepo.services.wire.messages import SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ _HEADER = struct.Struct(">II")  # payload length, CRC32 of the payload
 
 @functools.cache
 def _message_types() -> dict[str, type]:
-    """Dataclasses and enums defined in services/messages.py, by class name."""
+    """Dataclasses and enums defined in services/wire/messages.py, by class name."""
     found = {}
     for name, obj in vars(messages).items():
         if isinstance(obj, type) and obj.__module__ == messages.__name__:
@@ -130,7 +130,7 @@ def _build(cls: type, fields: dict[str, Any]) -> Any:
 
 
 def encode(msg: Any) -> bytes:
-    """One message (an instance of a dataclass in services/messages.py) -> msgpack bytes."""
+    """One message (an instance of a dataclass in services/wire/messages.py) -> msgpack bytes."""
     if not dataclasses.is_dataclass(msg) or isinstance(msg, type):
         raise TypeError(f"codec.encode: expected a message dataclass, got {type(msg).__name__}")
     _lookup(type(msg).__name__, "message")

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from threepo.algorithms.sampling import row_uniforms, sample_with_uniforms, sampling_logprobs
-from threepo.services.engines import lean_decoder
-from threepo.services.engines.base import EngineRequest, GeneratedSample
-from threepo.services.engines.lean_decoder import LeanDecoder, WeightLayout
-from threepo.services.messages import SamplingParams
+from threepo.services.sampling.engines import lean_decoder
+from threepo.services.sampling.engines.base import EngineRequest
+from threepo.services.sampling.engines.lean_decoder import LeanDecoder, WeightLayout
+from threepo.services.wire.messages import GeneratedSample, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -7,9 +7,9 @@ that differ only in the order of their numbers share one hash key, hence one spl
 
 Every item carries a short worked `solution` ending in the boxed answer (LamPO's ROUGE-L target),
 and every character of prompts, answers and solutions lies in `CHARSET`, the alphabet of the
-character-level tokenizer (`services/tokenizer.py` imports it from here).
+character-level tokenizer (`services/model/tokenizer.py`, which owns it).
 
-Not here: file datasets (`services/datasets.py`) and the code family (`services/code_tasks.py`,
+Not here: file datasets (`services/tasks/datasets.py`) and the code family (`services/tasks/code_tasks.py`,
 written separately; it plugs into `FAMILIES` below).
 """
 
@@ -22,11 +22,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from threepo.services.code_tasks import generate_code
-from threepo.services.messages import TaskItem
-
-# The tokenizer's alphabet: changing it changes every token id, so it belongs to the task format.
-CHARSET = " 0123456789abcdefghijklmnopqrstuvwxyzQA+-*/=()?:.,<>\\{}[]_^'\"%!"
+from threepo.services.tasks.code_tasks import generate_code
+from threepo.services.wire.messages import TaskItem
 
 SPLITS = ("train", "heldout")
 # Part of the task definition (like a dataset's published split), not a run knob: changing it
@@ -44,7 +41,7 @@ class TaskConfig:
     """Task family, a key of `FAMILIES` ("arith", "countdown" or "code")."""
     difficulty: int = 2
     """arith: 1 = 1-2 digit + and -, 2 = mixed 2-digit + - *, 3 = 2-digit x 2-digit only;
-    countdown: 1 = three numbers, 2 = four numbers; code: see services/code_tasks.py."""
+    countdown: 1 = three numbers, 2 = four numbers; code: see services/tasks/code_tasks.py."""
     seed: int = 0
     """Seed of the item stream; splits do not depend on it."""
 
@@ -206,7 +203,7 @@ def generate_countdown(rng: random.Random, difficulty: int) -> tuple[str, TaskIt
 
 Generator = Callable[[random.Random, int], tuple[str, TaskItem]]
 
-# name -> generator. To add a family (e.g. "code" from services/code_tasks.py, being written
+# name -> generator. To add a family (e.g. "code" from services/tasks/code_tasks.py, being written
 # separately): write a Generator there that returns (canonical split key, TaskItem with uid="")
 # and raises ValueError naming `difficulty` for a level it lacks, then add one line here.
 FAMILIES: dict[str, Generator] = {

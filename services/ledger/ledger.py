@@ -1,5 +1,5 @@
 """The driver's bookkeeping, without Ray: admission under the staleness bound from the prompt stream
-(deploy/stream.py), routing to samplers, group assembly, re-issue, delivery accounting and version
+(services/ledger/stream.py), routing to samplers, group assembly, re-issue, delivery accounting and version
 lifetime — `Ledger`, owned by the driver and unit-tested directly (tests/services/test_bookkeeping.py).
 
 The rules it enforces:
@@ -49,12 +49,12 @@ import math
 from collections import Counter, deque
 from collections.abc import Hashable, Sequence
 
-from threepo.deploy.ledger_parts import (OK, Counts, OpenGroup, OpenRound, PersistentFailure, Readmission,
-                                         admission_open, parse_round_key, round_key, route_calls)
-from threepo.deploy.stream import PromptStream, RangeSet
-from threepo.services.batching import INFRA
-from threepo.services.messages import GenerateReport, GroupRows, RolloutRequest, ScoreBatch
+from threepo.services.ledger.parts import (OK, Counts, OpenGroup, OpenRound, PersistentFailure, Readmission,
+                                           admission_open, parse_round_key, round_key, route_calls)
+from threepo.services.ledger.stream import PromptStream, RangeSet
 from threepo.services.posterior import VersionPlan
+from threepo.services.wire.batching import INFRA
+from threepo.services.wire.messages import GenerateReport, GroupRows, RolloutRequest, ScoreBatch
 
 
 class Ledger:

@@ -24,10 +24,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
+from threepo.services.wire.messages import GeneratedSample
+
 if TYPE_CHECKING:
     import numpy as np
 
-    from threepo.services.messages import NoiseSpec, SamplingParams
+    from threepo.services.wire.messages import NoiseSpec, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -118,16 +120,6 @@ class EngineRequest:
 
 
 @dataclass(frozen=True)
-class GeneratedSample:
-    """What an engine returns for one sampled sequence (the Sampler service adds ids and tags)."""
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    finish_reason: str  # "stop" (EOS sampled, the EOS token included) or "length"
-    text: str
-
-
-@dataclass(frozen=True)
 class ServeReport:
     """What an engine serves after `serve`: the policy, the checksum of the mean it was built from,
     whether the backend holds exactly the tensors fed to it, and how much noise survived the dtype."""
@@ -167,7 +159,7 @@ class Engine(Protocol):
     def generate(self, requests: Sequence[EngineRequest], params: SamplingParams) -> list[list[GeneratedSample]]:
         """`r.n` samples for each request from the policy served now (`params.n` is ignored), each
         ending at one of `params.stop_token_ids` (kept as its last token) or at the length limit.
-        Prompts arrive as token ids: services/prompting.py is the one place that makes them."""
+        Prompts arrive as token ids: services/tasks/prompting.py is the one place that makes them."""
 
     def verify(self) -> bool:
         """Are the served weights still exactly those `serve` loaded? (Cheap: no noise regenerated.)"""

@@ -41,7 +41,7 @@ _TURN_MARK = "\u2063threepo-end-of-turn\u2063"  # a text no template changes, to
 
 @dataclass(frozen=True)
 class PromptConfig:
-    """How an item's text becomes the prompt a model reads (services/prompting.py)."""
+    """How an item's text becomes the prompt a model reads (services/tasks/prompting.py)."""
 
     template: str = "auto"
     """`auto`: the tokenizer's chat template where it has one, raw text otherwise; `none`: raw text
@@ -84,7 +84,7 @@ class PromptEncoder:
     @classmethod
     def from_path(cls, path: str, cfg: PromptConfig) -> PromptEncoder:
         """The encoder of the checkpoint at `path` (its tokenizer and generation config, offline)."""
-        from threepo.services.modeling import load_tokenizer
+        from threepo.services.model.modeling import load_tokenizer
 
         return cls(load_tokenizer(path), cfg, generation_eos=generation_eos(path), source=f"model {path}")
 

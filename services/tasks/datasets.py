@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from threepo.services.errors import MissingPathError, UserInputError
-from threepo.services.messages import TaskItem
+from threepo.services.model.wheels import wheel_member
 from threepo.services.verifiers.base import available_verifiers
-from threepo.services.wheels import wheel_member
+from threepo.services.wire.messages import TaskItem
 
 COLUMNS = ("prompt", "answer", "solution", "tests", "verifier", "numbers", "id")
 _CODE_FIELDS = ("code_prefix", "entry_point")  # set by the code formats, not columns of prompt_answer
@@ -76,7 +76,7 @@ class DataConfig:
     format: Literal["prompt_answer", "gsm8k", "math", "humaneval", "mbpp"] = "prompt_answer"
     """Layout of the file: `prompt_answer` (prompt, answer, optional solution, tests, verifier, numbers,
     id), `gsm8k` (question, answer ending in `#### N`), `math` (problem, solution with a final
-    \\boxed{}), `humaneval` or `mbpp` as they ship; see services/datasets.py."""
+    \\boxed{}), `humaneval` or `mbpp` as they ship; see services/tasks/datasets.py."""
     columns: tuple[str, ...] = ()
     """Renames of the file's columns to the format's, as `format_column=file_column`."""
     ignore_columns: tuple[str, ...] = ()
@@ -302,7 +302,7 @@ def run_items(data: DataConfig, task, split: str, n: int) -> list[TaskItem]:
     """The items a run trains on (`split` "train") or evaluates on ("heldout"; the synthetic task's
     `eval.split`, which may be "train"): the first `n` of the file's split, or `n` generated items of
     the synthetic task `task` (a `tasks.TaskConfig`)."""
-    from threepo.services.tasks import generate_items
+    from threepo.services.tasks.synthetic import generate_items
 
     if data.path:
         return file_items(data, "heldout" if split == "heldout" else "train")[:n]

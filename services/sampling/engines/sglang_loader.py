@@ -1,7 +1,7 @@
 """Custom weight loaders SGLang runs inside every tensor-parallel worker (engines/sglang_engine.py).
 
 SGLang 0.5.23 calls `loader(model, named_tensors)` for `Engine.update_weights_from_tensor(...,
-load_format="threepo.services.engines.sglang_loader.<op>")` once the engine was started with those
+load_format="threepo.services.sampling.engines.sglang_loader.<op>")` once the engine was started with those
 names in `custom_weight_loader`; the tensors are already on the worker's device. State per served
 model lives in `_STATE` (one SGLang worker process serves one model).
 
@@ -37,7 +37,7 @@ import os
 import torch
 
 from threepo.algorithms import param_noise, weight_checks
-from threepo.services.engines.staging import mapped_safetensors
+from threepo.services.sampling.engines.staging import mapped_safetensors
 
 _STATE: dict[int, dict] = {}
 _CONTROL = "__threepo__/"

@@ -1,4 +1,4 @@
-"""The plain parts of the driver's ledger (deploy/bookkeeping.py, whose docstring states the rules):
+"""The plain parts of the driver's ledger (services/ledger/ledger.py, whose docstring states the rules):
 the admission rule under the staleness bound, the routing rule, the re-admission settings, the
 ledger's records of its open groups and rounds, its delivery counts, and how a round's key is written
 in a checkpoint."""
@@ -9,12 +9,12 @@ import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from threepo.services.messages import STATUSES, RolloutRequest, TaskItem, VerifyStatus
+from threepo.services.wire.messages import STATUSES, RolloutRequest, TaskItem, VerifyStatus
 
 
 def admission_open(*, mode: str, admitted_prompts: int, learner_steps: int, learner_busy: bool,
                    prompts_per_step: int, max_offpolicy: int, total_steps: int) -> bool:
-    """May one more prompt be admitted now? (deploy/bookkeeping.py's docstring states the rule.)"""
+    """May one more prompt be admitted now? (services/ledger/ledger.py's docstring states the rule.)"""
     step_of_next = admitted_prompts // prompts_per_step  # the learner step that will consume it
     if step_of_next >= total_steps:
         return False  # never admit what the run will not consume

@@ -3,14 +3,14 @@ each target linear layer W given a trainable low-rank term, W x + (α / r) · B 
 "LoRA", eq. 3; A [r, in] random, B [out, r] zero at the start, so training starts at the base model).
 
 `attach` puts adapters into a loaded transformers model in place (`peft.inject_adapter_in_model`: the
-model keeps its class and its `base_model`, so every forward of services/prefix_forward.py runs
+model keeps its class and its `base_model`, so every forward of services/model/prefix_forward.py runs
 unchanged) and freezes everything else; its trainable parameters are then the adapters alone.
 `merged_weights` is the model with each adapter folded in, W + (α / r) · B A, under the model's own
 parameter names: what the learner exports (and publishes where versions are not adapter-sized).
 `save_adapter` / `write_adapter` write adapters as a PEFT adapter directory (`adapter_config.json`,
 `adapter_model.safetensors`) that `peft.PeftModel.from_pretrained` and vLLM's LoRA loader read (the
 vLLM engine stages each slot this way; `peft_tensors` and `peft_config_dict` are the same adapter for
-SGLang's load-from-tensors); services/modeling.py `adapter_checkpoint` turns such a directory back
+SGLang's load-from-tensors); services/model/modeling.py `adapter_checkpoint` turns such a directory back
 into a full checkpoint, which is how `model.path` accepts one.
 
 Not here: which optimizer trains the adapters (services/learner/optimizers.py). Importing this module
@@ -57,7 +57,7 @@ class LoRAConfig:
 
 
 def check_lora(lora: LoRAConfig, algo: AlgoConfig, learner: LearnerConfig) -> None:
-    """Reject what LoRA training (`lora.rank` > 0, services/lora.py) does not do yet, naming the keys to change."""
+    """Reject what LoRA training (`lora.rank` > 0, services/model/lora.py) does not do yet, naming the keys to change."""
     if not lora.rank:
         return
     for bad, fix in ((learner.deepspeed_stage >= 0, "learner.deepspeed_stage=-1"), (learner.ranks > 1, "learner.ranks=1"),

@@ -26,14 +26,13 @@ import torch
 
 from threepo.algorithms import weight_checks
 from threepo.algorithms.noise_scale import policy_kl
-from threepo.services.engines import lean_decoder
-from threepo.services.engines.base import (EngineRequest, GeneratedSample, SamplerConfig, ServeReport,
-                                           WeightsMismatch)
-from threepo.services.engines.decoding import completion_logits, generate, generate_slots
-from threepo.services.engines.lean_decoder import LeanDecoder, WeightLayout
-from threepo.services.engines.slot_bank import Adapters, SlotBank, write_slot
-from threepo.services.messages import NoiseSpec, SamplingParams
-from threepo.services.modeling import load_model, load_tokenizer, trainable_named_parameters
+from threepo.services.model.modeling import load_model, load_tokenizer, trainable_named_parameters
+from threepo.services.sampling.engines import lean_decoder
+from threepo.services.sampling.engines.base import EngineRequest, SamplerConfig, ServeReport, WeightsMismatch
+from threepo.services.sampling.engines.decoding import completion_logits, generate, generate_slots
+from threepo.services.sampling.engines.lean_decoder import LeanDecoder, WeightLayout
+from threepo.services.sampling.engines.slot_bank import Adapters, SlotBank, write_slot
+from threepo.services.wire.messages import GeneratedSample, NoiseSpec, SamplingParams
 
 
 class HFEngine:
