@@ -158,9 +158,11 @@ class RunConfig:
     runs_dir: str = "runs"
     """Parent directory of run directories."""
     seed: int = 0
-    """Global seed: the prompt order, the exploration plans' slot seeds and `threepo eval`'s sampling.
-    Training rollouts and the evaluation during training draw from `sampler.seed`, the learner's θ̂′
-    from `algo.seed`."""
+    """The run's seed: the prompt order, the exploration plans' slot seeds and `threepo eval`'s
+    sampling, and the default of every role's own seed (`task.seed`, `sampler.seed` for the rollouts,
+    `algo.seed` for the learner's θ̂′, `vp2o.seed`, `verifier.seed`), each of which may be set apart;
+    not `bootstrap.seed` (the embedded default's warm start is one starting checkpoint for every run
+    seed). Every stream is labelled by its role, so equal integers draw unrelated values."""
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -232,9 +234,14 @@ class ConfigError(UserInputError):
     """A recipe or override that does not fit the schema; the message names the key."""
 
 
+# the sections whose own `seed` follows the run's `seed` unless given (RunConfig.seed says which not)
+ROLE_SEEDS = ("task", "sampler", "algo", "vp2o", "verifier")
+
+
 def load_config(recipe: str | None = None, overrides: typing.Sequence[str] = (),
                 schema: type = RunConfig) -> Any:
-    """Defaults <- recipe file <- `section.field=value` overrides, validated into `schema`."""
+    """Defaults <- recipe file <- `section.field=value` overrides, validated into `schema`; for a
+    `RunConfig`, each role's seed not given is the run's `seed` (`ROLE_SEEDS`)."""
     tree: dict[str, Any] = {}
     if recipe:
         path = resolve_recipe(recipe)
@@ -248,6 +255,10 @@ def load_config(recipe: str | None = None, overrides: typing.Sequence[str] = (),
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r}: expected section.field=value")
         _set_path(tree, key.strip().split("."), _parse_value(raw.strip()))
+    if schema is RunConfig and "seed" in tree:
+        for section in ROLE_SEEDS:
+            if isinstance(tree.get(section, {}), dict):
+                tree.setdefault(section, {}).setdefault("seed", tree["seed"])
     return build(schema, tree, prefix="")
 
 

@@ -60,7 +60,8 @@ class BootstrapConfig:
     threads: int = 2
     """Torch threads for training."""
     seed: int = 0
-    """Seed of initialisation and of the training problem stream."""
+    """Seed of initialisation and of the training problem stream (not the run's `seed`: one warm
+    start serves every run seed)."""
     cache_dir: str = ""
     """Where bootstrapped checkpoints are cached ('' = $THREEPO_CACHE or ~/.cache/threepo)."""
 
@@ -106,10 +107,18 @@ def cache_root(cfg: BootstrapConfig) -> str:
     return cfg.cache_dir or os.environ.get("THREEPO_CACHE") or os.path.expanduser("~/.cache/threepo")
 
 
+def warm_start_task(task_cfg: TaskConfig, cfg: BootstrapConfig) -> TaskConfig:
+    """The task a warm start trains and checks on: the run's family and difficulty, drawn with
+    `bootstrap.seed` (not the run's `task.seed`, which follows the run's seed: one warm start serves
+    every run seed)."""
+    return dataclasses.replace(task_cfg, seed=cfg.seed)
+
+
 def checkpoint_dir(model_cfg: ModelConfig, task_cfg: TaskConfig, cfg: BootstrapConfig) -> str:
     """Cache path keyed by the recipe: everything that changes the checkpoint, never the machine. Not
     threads or cache_dir, and not the budgets: only a run that reached the target is cached, and it
     stops at the first held-out check that reaches it whatever max_steps or max_seconds allowed."""
+    task_cfg = warm_start_task(task_cfg, cfg)
     recipe = {k: v for k, v in dataclasses.asdict(cfg).items()
               if k not in ("threads", "cache_dir", "max_seconds", "max_steps")}
     key = json.dumps([FORMAT, dataclasses.asdict(model_cfg), dataclasses.asdict(task_cfg), recipe], sort_keys=True)
@@ -137,6 +146,7 @@ def bootstrap(model_cfg: ModelConfig, task_cfg: TaskConfig, cfg: BootstrapConfig
 
     from threepo.services.model.tokenizer import build_tokenizer
 
+    task_cfg = warm_start_task(task_cfg, cfg)
     torch.set_num_threads(cfg.threads)
     tokenizer = build_tokenizer()
     vocab_size = -(-len(tokenizer) // 8) * 8

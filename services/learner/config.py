@@ -111,7 +111,7 @@ class AlgoConfig:
     vp2o: bool = False
     """VP2O Stein updates over MoE experts (needs model.kind = moe)."""
     seed: int = 0
-    """Seed of the learner's fresh gradient samples θ̂′."""
+    """Seed of the learner's fresh gradient samples θ̂′; in a run, the run's `seed` unless set."""
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -318,7 +318,8 @@ class VP2OConfig:
     h_min: float = 1e-4
     """Lower bound of the kernel bandwidth (§3.3)."""
     seed: int = 0
-    """Seed of the random power-iteration start (layer i uses seed + i)."""
+    """Seed of the random power-iteration start (layer i uses seed + i); in a run, the run's `seed`
+    unless set."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha_att <= 1.0:

@@ -43,7 +43,7 @@ class TaskConfig:
     """arith: 1 = 1-2 digit + and -, 2 = mixed 2-digit + - *, 3 = 2-digit x 2-digit only;
     countdown: 1 = three numbers, 2 = four numbers; code: see services/tasks/code_tasks.py."""
     seed: int = 0
-    """Seed of the item stream; splits do not depend on it."""
+    """Seed of the item stream (splits do not depend on it); in a run, the run's `seed` unless set."""
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:

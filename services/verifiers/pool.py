@@ -157,7 +157,7 @@ class VerifierConfig:
     infra_retries: int = INFRA_RETRIES
     """Pool-level retries of a verification a verifier still returns as infra_error."""
     seed: int = 0
-    """Seed of the retry jitter."""
+    """Seed of the retry jitter; in a run, the run's `seed` unless set."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "endpoints", tuple(self.endpoints))

@@ -106,3 +106,22 @@ def test_gsm8k_files_score_the_last_number_unless_told_otherwise(tmp_path):
     path = tmp_path / "config.toml"
     path.write_text(to_toml(gsm8k))
     assert load_config(str(path)) == gsm8k
+
+
+def test_every_role_seed_follows_the_run_seed_unless_set():
+    roles = ("task", "sampler", "algo", "vp2o", "verifier")
+    default = load_config(None, [])
+    assert {getattr(default, r).seed for r in roles} == {default.seed} == {0}
+    cfg = load_config(None, ["seed=7", "sampler.seed=3"])
+    assert cfg.seed == 7 and cfg.sampler.seed == 3
+    assert {getattr(cfg, r).seed for r in roles if r != "sampler"} == {7}
+    assert cfg.bootstrap.seed == 0  # one warm start for every run seed
+    assert load_config(None, ["sampler.seed=3"]).algo.seed == 0  # no run seed given: the defaults
+
+
+def test_a_run_seed_keeps_the_embedded_default_warm_start(tmp_path):
+    from threepo.services.bootstrap import checkpoint_dir
+
+    paths = {checkpoint_dir(c.model, c.task, c.bootstrap) for c in (load_config(None, [f"seed={s}"]) for s in (0, 5))}
+    assert len(paths) == 1
+    assert checkpoint_dir(*(lambda c: (c.model, c.task, c.bootstrap))(load_config(None, ["bootstrap.seed=5"]))) not in paths

@@ -81,7 +81,8 @@ class SamplerConfig:
     """Warn (once per version) when the served-noise ratio ‖θ̂_served − m_served‖ / ‖σ ⊙ z‖ falls
     below this: most of the exploration noise rounds away in the served dtype (serve fp32)."""
     seed: int = 0
-    """Root of the per-request sampling seeds (hashed with each request id)."""
+    """Root of the per-request sampling seeds (hashed with each request id); in a run, the run's
+    `seed` unless set."""
     slot_cache_mb: int = 4096
     """hf only: bytes (MiB) of perturbed weight sets (slots θ̂) kept built per version, at least one:
     a C3PO call decodes as many slots together as fit, and a slot kept is not drawn again (one set
