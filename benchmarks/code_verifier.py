@@ -31,7 +31,8 @@ import _common  # noqa: E402
 
 from threepo.services.tasks.datasets import humaneval_file, load_dataset  # noqa: E402
 from threepo.services.verifiers.code_verifiers import code_output, code_tests  # noqa: E402
-from threepo.services.verifiers.remote import RemoteSandboxConfig, RemoteSandboxVerifier  # noqa: E402
+from threepo.services.verifiers.remote import RemoteSandboxVerifier  # noqa: E402
+from threepo.services.verifiers.sandbox_config import RemoteSandboxConfig  # noqa: E402
 from threepo.services.wire.messages import TaskItem, VerifyRequest, VerifyStatus  # noqa: E402
 
 BROKEN = ("    pass\n", "    raise NotImplementedError\n")

@@ -88,7 +88,7 @@ class Bench:
         self.samples, self.tokens, self.temperature = setup["samples"], setup["tokens"], setup["temperature"]
         self.items = eval_items(cfg.data, cfg.task, cfg.eval)[:setup["prompts"]]
         self.encoder = PromptEncoder.from_path(cfg.model.path, cfg.prompt)
-        self.pool = VerifierPool(cfg.verifier.pool_config(None))
+        self.pool = VerifierPool(cfg.verifier, sandbox=cfg.sandbox, token=cfg.sandbox.token())
         self.engine = HFEngine(cfg.model.path, cfg.sampler, dtype=cfg.model.dtype)
         self.model = load_model(cfg.model.path).eval()  # fp32: where KL is measured, as the learner does
         self.named = trainable_named_parameters(self.model)

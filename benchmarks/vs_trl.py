@@ -114,7 +114,7 @@ def trl_train(model: str, cfg, steps: int, out_dir: str) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
     encoder = PromptEncoder.from_path(model, cfg.prompt)
     eos = set(encoder.stop_ids)
-    pool = VerifierPool(cfg.verifier.pool_config(""))
+    pool = VerifierPool(cfg.verifier, sandbox=cfg.sandbox)
     scored = {"completions": 0}
 
     def reward(prompts, completions, completion_ids, uid, **_):

@@ -29,7 +29,8 @@ from threepo.deploy.metrics import peak_rss, return_free_memory
 from threepo.services.posterior import PosteriorConfig, PosteriorServer
 from threepo.services.sampling.engines.base import SamplerConfig
 from threepo.services.tasks.prompting import PromptConfig
-from threepo.services.verifiers.pool import VerifierConfig, VerifierPool, auth_token
+from threepo.services.verifiers.pool import VerifierConfig, VerifierPool
+from threepo.services.verifiers.sandbox_config import RemoteSandboxConfig
 
 ACTOR_ENV = {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -164,23 +165,23 @@ class PosteriorActor:
 class VerifierActor:
     """The verifier pool behind synchronous methods only: Ray turns an actor with any `async def`
     method into an async actor, whose methods leave the main thread (math-verify's SIGALRM needs it).
-    `remote_sandbox` is built from `[verifier]` with the `token` the driver read from
-    `verifier.auth_env`, and holds a permit of the cluster-wide limiter for each request.
+    `remote_sandbox` is built from `[sandbox]` with the `token` the driver read from
+    `sandbox.auth_env`, and holds a permit of the cluster-wide limiter for each request.
     `score` raises `VerifierOutage` (services/verifiers/base.py) when every sandbox endpoint
-    is down past `verifier.outage_s`."""
+    is down past `sandbox.outage_s`."""
 
-    def __init__(self, cfg: VerifierConfig, token: str = "") -> None:
+    def __init__(self, cfg: VerifierConfig, sandbox: RemoteSandboxConfig, token: str = "") -> None:
         from threepo.deploy.metrics import RayMetrics
 
-        def remote_sandbox(config, **options):
+        def remote_sandbox(config, token):
             from threepo.deploy.limiter import ClusterLimiter
             from threepo.services.verifiers.remote import RemoteSandboxVerifier
 
             limiter = (ClusterLimiter(cfg.limiter_name, cfg.cluster_concurrency)
                        if cfg.cluster_concurrency else None)
-            return RemoteSandboxVerifier(config, limiter, **options)
+            return RemoteSandboxVerifier(config, limiter, token=token)
 
-        self.pool = VerifierPool(cfg.pool_config(token), factories={"remote_sandbox": remote_sandbox},
+        self.pool = VerifierPool(cfg, sandbox=sandbox, token=token, factories={"remote_sandbox": remote_sandbox},
                                  metrics=RayMetrics())
 
     def score(self, batch) -> object:
@@ -203,10 +204,10 @@ class EvaluatorActor:
     temperature, its verifiers routed as in training."""
 
     def __init__(self, model_path: str, cfg: SamplerConfig, items: list, verifier: VerifierConfig,
-                 prompt: PromptConfig, token: str = "") -> None:
+                 sandbox: RemoteSandboxConfig, prompt: PromptConfig, token: str = "") -> None:
         from threepo.services.evaluation import Evaluator
 
-        self.evaluator = Evaluator.serving(model_path, items, verifier, prompt, cfg, token=token)
+        self.evaluator = Evaluator.serving(model_path, items, verifier, prompt, cfg, sandbox=sandbox, token=token)
         self.cfg = cfg
 
     def evaluate(self, pv) -> tuple[float, int]:
@@ -250,7 +251,7 @@ def start_roles(cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str 
     verifiers = [
         ray.remote(VerifierActor).options(num_cpus=rt.verifier_cpus, max_restarts=-1, max_task_retries=0,
                                          max_concurrency=1, runtime_env=env, name=f"{run_id}-verifier-{i}")
-        .remote(cfg.verifier, auth_token(cfg.verifier.auth_env))
+        .remote(cfg.verifier, cfg.sandbox, cfg.sandbox.token())
         for i in range(rt.num_verifiers)
     ]
     evaluator = None
@@ -262,7 +263,7 @@ def start_roles(cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str 
                                                        runtime_env=env, name=f"{run_id}-evaluator").remote(
             policy_path, dataclasses.replace(sampler_cfg, backend="hf", batch_size=cfg.eval.batch_size,
                                              device=cfg.eval.device, tensor_parallel_size=1), items,
-            cfg.verifier, cfg.prompt, auth_token(cfg.verifier.auth_env))
+            cfg.verifier, cfg.sandbox, cfg.prompt, cfg.sandbox.token())
     roles = Roles(None, samplers, verifiers, None, evaluator, policy_path=policy_path, run_dir=run_dir)
     start_stateful(roles, cfg, policy_path, run_dir, checkpoint, cores)
     return roles

@@ -23,9 +23,8 @@ def check_inputs(cfg) -> None:
     from threepo.services.tasks.datasets import run_items
     from threepo.services.tasks.prompting import PromptEncoder
     from threepo.services.verifiers.base import available_verifiers
-    from threepo.services.verifiers.pool import auth_token
 
-    auth_token(cfg.verifier.auth_env)
+    cfg.sandbox.token()  # a token variable that is not set fails here, before anything starts
     unknown = sorted({target for _, target in cfg.verifier.route} - set(available_verifiers()))
     if unknown:
         raise UserInputError(f"verifier.route: unknown verifier {unknown[0]!r}; expected one of {available_verifiers()}")
@@ -38,7 +37,7 @@ def check_inputs(cfg) -> None:
     if local and shutil.which("bwrap") is None:
         raise UserInputError(f"rows verified by {sorted(local)} run programs in the local sandbox, which needs "
                              "bubblewrap: apt-get install -y bubblewrap, or score them remotely with "
-                             "verifier.route=[[\"code_output\", \"remote_sandbox\"]] and verifier.endpoints")
+                             "verifier.route=[[\"code_output\", \"remote_sandbox\"]] and sandbox.endpoints")
 
 
 @contextlib.contextmanager
@@ -129,7 +128,7 @@ def evaluate_policy(cfg, path: str, *, label: str):
     evaluator = Evaluator.serving(path, items, cfg.verifier, cfg.prompt,
                                   SamplerConfig(threads=cfg.bootstrap.threads, batch_size=cfg.eval.batch_size,
                                                 seed=cfg.seed, device=cfg.eval.device),
-                                  dtype=cfg.model.dtype, seed=cfg.seed)  # the token from verifier.auth_env, here
+                                  sandbox=cfg.sandbox, dtype=cfg.model.dtype, seed=cfg.seed)  # token: read here
     try:
         with tqdm(total=len(items), desc=label, unit="item") as bar:
             return evaluator.evaluate(samples_per_item=cfg.eval.samples_per_item, k=cfg.eval.k,

@@ -35,6 +35,7 @@ from threepo.services.tasks.datasets import MAX_NEW_TOKENS, DataConfig
 from threepo.services.tasks.prompting import NUMBER_INSTRUCTION, PromptConfig
 from threepo.services.tasks.synthetic import TaskConfig, max_new_tokens_for
 from threepo.services.verifiers.pool import VerifierConfig
+from threepo.services.verifiers.sandbox_config import RemoteSandboxConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 
@@ -160,9 +161,9 @@ class RunConfig:
     seed: int = 0
     """The run's seed: the prompt order, the exploration plans' slot seeds and `threepo eval`'s
     sampling, and the default of every role's own seed (`task.seed`, `sampler.seed` for the rollouts,
-    `algo.seed` for the learner's θ̂′, `vp2o.seed`, `verifier.seed`), each of which may be set apart;
-    not `bootstrap.seed` (the embedded default's warm start is one starting checkpoint for every run
-    seed). Every stream is labelled by its role, so equal integers draw unrelated values."""
+    `algo.seed` for the learner's θ̂′, `vp2o.seed`, `verifier.seed`, `sandbox.seed`), each of which may
+    be set apart; not `bootstrap.seed` (the embedded default's warm start is one starting checkpoint
+    for every run seed). Every stream is labelled by its role, so equal integers draw unrelated values."""
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -178,6 +179,7 @@ class RunConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     vp2o: VP2OConfig = field(default_factory=VP2OConfig)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    sandbox: RemoteSandboxConfig = field(default_factory=RemoteSandboxConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
@@ -235,7 +237,11 @@ class ConfigError(UserInputError):
 
 
 # the sections whose own `seed` follows the run's `seed` unless given (RunConfig.seed says which not)
-ROLE_SEEDS = ("task", "sampler", "algo", "vp2o", "verifier")
+ROLE_SEEDS = ("task", "sampler", "algo", "vp2o", "verifier", "sandbox")
+# settings that moved, old key -> new: a recipe or a run directory from before names them
+MOVED = {f"verifier.{name}": f"sandbox.{name}" for name in (
+    "endpoints", "auth_env", "auth_header", "compile_timeout_s", "run_timeout_s", "memory_limit_mb",
+    "request_margin_s", "queue_timeout_s", "max_attempts", "unhealthy_after", "cooldown_s", "outage_s")}
 
 
 def load_config(recipe: str | None = None, overrides: typing.Sequence[str] = (),
@@ -279,6 +285,9 @@ def build(cls: type, tree: dict[str, Any], prefix: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(tree) - set(fields))
     if unknown:
+        if prefix + unknown[0] in MOVED:
+            raise ConfigError(f"{prefix + unknown[0]}: moved to {MOVED[prefix + unknown[0]]} (the remote sandbox's "
+                              "settings are the [sandbox] section)")
         raise ConfigError(f"unknown config key {prefix + unknown[0]!r}: expected one of "
                           f"{[prefix + n for n in fields]}")
     kwargs = {}

@@ -49,7 +49,7 @@ class RoleLost(RuntimeError):
 
 class RunStopped(RuntimeError):
     """The run stopped for a reason waiting cannot fix (every verifier endpoint down past
-    `verifier.outage_s`, a request failing past `runtime.max_reissues`, restores used up); the
+    `sandbox.outage_s`, a request failing past `runtime.max_reissues`, restores used up); the
     message says why and how to resume, summary.json where it stopped."""
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 from threepo.algorithms.pass_at_k import pass_at_k
 from threepo.services.sampling.engines.base import EngineRequest
 from threepo.services.verifiers.pool import VerifierConfig, VerifierPool
+from threepo.services.verifiers.sandbox_config import RemoteSandboxConfig
 from threepo.services.wire.messages import (GeneratedSample, SamplingParams, TaskItem, VerifyRequest, VerifyResult,
                                             VerifyStatus)
 
@@ -147,28 +148,31 @@ def evaluate(generate: GenerateFn, items: Sequence[TaskItem], verify: VerifyFn,
 
 class Evaluator:
     """The evaluation service: a policy's completions of `items`, encoded by `prompts`, scored by a
-    verifier pool built from the run's `[verifier]` (`verifier`; the remote sandbox's `token`, read
-    from `verifier.auth_env` in this process when None), as training scores them. The policy is an hf engine serving a checkpoint (`serving`: `threepo
+    verifier pool built from the run's `[verifier]` and `[sandbox]` (`verifier`, `sandbox`; the remote
+    sandbox's `token`, read from `sandbox.auth_env` in this process when None), as training scores them. The policy is an hf engine serving a checkpoint (`serving`: `threepo
     eval`, the evaluations around training, the evaluator actor, which `load`s each published mean)
     or a live model (`of_model`: the bootstrap). Close it to free the engine and the pool."""
 
     def __init__(self, generate: GenerateFn, items: Sequence[TaskItem], verifier: VerifierConfig, prompts,
-                 *, token: str | None = None, batch_size: int = 256, seed: int = 0, engine=None) -> None:
+                 *, sandbox: RemoteSandboxConfig | None = None, token: str | None = None, batch_size: int = 256,
+                 seed: int = 0, engine=None) -> None:
         self.generate, self.items, self.prompts = generate, list(items), prompts
-        self.pool = VerifierPool(verifier.pool_config(token))
+        sandbox = sandbox or RemoteSandboxConfig()
+        self.pool = VerifierPool(verifier, sandbox=sandbox, token=sandbox.token() if token is None else token)
         self.batch_size, self.seed, self.engine = batch_size, seed, engine
 
     @classmethod
     def serving(cls, model_path: str, items: Sequence[TaskItem], verifier: VerifierConfig, prompt_cfg,
-                engine_cfg, *, token: str | None = None, dtype: str = "float32", seed: int = 0) -> Evaluator:
+                engine_cfg, *, sandbox: RemoteSandboxConfig | None = None, token: str | None = None,
+                dtype: str = "float32", seed: int = 0) -> Evaluator:
         """An hf engine serving the checkpoint at `model_path` (or a mean given to `load`); `engine_cfg`:
         its sampler settings (threads, batch size, device)."""
         from threepo.services.sampling.engines.hf import HFEngine
         from threepo.services.tasks.prompting import PromptEncoder
 
         engine = HFEngine(model_path, engine_cfg, dtype=dtype)
-        return cls(engine.generate, items, verifier, PromptEncoder.from_path(model_path, prompt_cfg), token=token,
-                   batch_size=engine_cfg.batch_size, seed=seed, engine=engine)
+        return cls(engine.generate, items, verifier, PromptEncoder.from_path(model_path, prompt_cfg), sandbox=sandbox,
+                   token=token, batch_size=engine_cfg.batch_size, seed=seed, engine=engine)
 
     @classmethod
     def of_model(cls, model, prompts: PromptEncoder, items: Sequence[TaskItem],

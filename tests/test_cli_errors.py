@@ -103,7 +103,7 @@ def test_other_mistakes_a_new_user_makes(runs, tmp_path):
     one_line_error(threepo("train", "--config", "grpo_baseline", "lora.rank=4", "learner.ranks=2"), "learner.ranks=1")
     env_var = "THREEPO_TEST_UNSET_TOKEN_VARIABLE"
     assert env_var not in os.environ
-    one_line_error(threepo("train", f"verifier.auth_env={env_var}"), "verifier.auth_env", "not set")
+    one_line_error(threepo("train", f"sandbox.auth_env={env_var}"), "sandbox.auth_env", "not set")
     one_line_error(threepo("train", 'verifier.route=[["code_output", "remote_sandbx"]]'),
                    "verifier.route", "'remote_sandbx'", "remote_sandbox")
     a_file = tmp_path / "file"
@@ -159,14 +159,14 @@ def test_an_input_error_raised_inside_a_ray_actor_is_still_one_line(monkeypatch,
     from threepo.services.verifiers.remote import SandboxAuthError
 
     remote = RayTaskError("VerifierActor.verify_batch", "Traceback (most recent call last):\n  ...",
-                          SandboxAuthError("HTTP 401 from http://sandbox: refused; check verifier.auth_env"))
+                          SandboxAuthError("HTTP 401 from http://sandbox: refused; check sandbox.auth_env"))
 
     def dispatch(args):
         raise remote.as_instanceof_cause()
     monkeypatch.setattr(cli, "_dispatch", dispatch)
     assert cli.main(["train"]) == 2
     err = capsys.readouterr().err
-    assert err == "threepo train: HTTP 401 from http://sandbox: refused; check verifier.auth_env\n"
+    assert err == "threepo train: HTTP 401 from http://sandbox: refused; check sandbox.auth_env\n"
 
 
 def test_real_model_mistakes_are_one_line(runs, tmp_path, tiny_dense_path):

@@ -23,9 +23,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from threepo.services.wire.messages import VerifyRequest, VerifyResult
 
-# Retry and concurrency defaults, written once: the run's `[verifier]` (verifier_pool.VerifierConfig), a
-# pool built without one (VerifierPoolConfig) and the remote sandbox client (remote.RemoteSandboxConfig)
-# start from these values.
+# Retry and concurrency defaults, written once: the pool's (`[verifier]`, pool.VerifierConfig) and the
+# remote sandbox client's (`[sandbox]`, sandbox_config.RemoteSandboxConfig) start from these values.
 MAX_CONCURRENCY, INFRA_RETRIES, BACKOFF_BASE_S, BACKOFF_MAX_S, JITTER = 8, 3, 0.5, 10.0, 0.5
 
 ENTRY_POINT_GROUP = "threepo.verifiers"

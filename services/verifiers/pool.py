@@ -15,8 +15,9 @@ returns as `infra_error`. A `VerifierOutage` (every endpoint down for longer tha
 result: `verify_batch` cancels the rest of the batch and raises it to the caller.
 
 `VerifierConfig` is the run's `[verifier]` section: which verifier serves which rows (`route`), the
-remote sandbox's endpoints, token (read from an environment variable), deadlines, retries, circuit
-breaker and outage bound, and the cluster-wide cap on requests (deploy/limiter.py).
+verifiers' options, the pool's retries and concurrency, and the cluster-wide cap on remote requests
+(deploy/limiter.py); the remote sandbox's own settings are `[sandbox]`
+(services/verifiers/sandbox_config.py).
 
 Not here: the checks themselves (services/verifiers/), what to do with an unscorable group (driver).
 Departure: one event loop lives as long as the pool instead of one `asyncio.run` per batch, because
@@ -33,40 +34,51 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from threepo.services.errors import UserInputError
 from threepo.services.metrics import CATALOGUE, Metrics, register_catalogue
 from threepo.services.verifiers.base import (BACKOFF_BASE_S, BACKOFF_MAX_S, INFRA_RETRIES, JITTER, MAX_CONCURRENCY,
                                              Verifier, VerifierOutage, load_verifier)
+from threepo.services.verifiers.sandbox_config import RemoteSandboxConfig
 from threepo.services.wire.messages import VerifyRequest, VerifyResult, VerifyStatus
-
-if TYPE_CHECKING:
-    from threepo.services.verifiers.remote import RemoteSandboxConfig
 
 _METRICS = ("threepo_verifier_results_total", "threepo_verifier_latency_seconds")
 
 
 @dataclass(frozen=True)
-class VerifierPoolConfig:
-    """How the pool runs verifiers."""
+class VerifierConfig:
+    """The run's `[verifier]` section: who scores which rows, verifiers' own options, how the pool
+    retries what a verifier returns as infra_error, and the cluster-wide cap on remote requests.
+    Where the remote sandbox is and how it is called is `[sandbox]` (services/verifiers/sandbox_config.py)."""
 
-    max_concurrency: int = MAX_CONCURRENCY
-    """Most verifications in flight at once (over all verifier names)."""
-    infra_retries: int = INFRA_RETRIES
-    """Retries of a verification whose status is infra_error (attempts = 1 + infra_retries)."""
-    backoff_base_s: float = BACKOFF_BASE_S
-    """Delay before retry k (k = 0, 1, ...) is min(backoff_max_s, base * 2**k) * U(1 - jitter, 1)."""
-    backoff_max_s: float = BACKOFF_MAX_S
-    """Cap on one backoff delay."""
-    jitter: float = JITTER
-    """Fraction of each delay drawn at random, in [0, 1] (spreads retries of a failed burst)."""
-    seed: int = 0
-    """Seed of the jitter."""
-    options: tuple[tuple[str, str, Any], ...] = ()
-    """Verifier options as (verifier name, option, value), e.g. ("math", "mode", "process")."""
     route: tuple[tuple[str, str], ...] = ()
-    """(verifier a row names, verifier that scores it), e.g. ("code_output", "remote_sandbox")."""
+    """(verifier a row names, verifier that scores it instead): a run-level override of
+    `TaskItem.verifier`, e.g. [["code_output", "remote_sandbox"]]."""
+    options: tuple[tuple[str, str, str], ...] = ()
+    """Options of built-in or plug-in verifiers as (verifier, option, value), e.g. [["math", "answer",
+    "last_number"]] (GSM8K's flexible extraction for models that do not box answers: the default with
+    `data.format=gsm8k`; [["math", "answer", "boxed"]] there keeps the boxed rule) or [["math", "mode",
+    "process"]]: string-valued options only (services/verifiers/*.py say which a verifier takes; the
+    remote sandbox's are `[sandbox]`)."""
+    max_concurrency: int = MAX_CONCURRENCY
+    """Verifications in flight in one verifier actor (over all verifier names)."""
+    infra_retries: int = INFRA_RETRIES
+    """The pool's retries of a verification a verifier still returns as infra_error (attempts = 1 +
+    this), after the remote sandbox client's own retries (`sandbox.max_attempts`)."""
+    backoff_base_s: float = BACKOFF_BASE_S
+    """The pool's delay before retry k (k = 0, 1, ...): min(backoff_max_s, base · 2^k) · U(1 − jitter, 1)."""
+    backoff_max_s: float = BACKOFF_MAX_S
+    """Cap on one of the pool's retry delays."""
+    jitter: float = JITTER
+    """Fraction of each of the pool's retry delays drawn at random, in [0, 1] (spreads a burst's retries)."""
+    cluster_concurrency: int = 64
+    """Remote sandbox requests in flight over the whole Ray cluster (deploy/limiter.py); 0 = only the
+    per-actor `max_concurrency`."""
+    limiter_name: str = "threepo-sandbox-limiter"
+    """Name of the cluster-wide limiter; runs sharing a name share its permits (the first run to
+    create it fixes the capacity)."""
+    seed: int = 0
+    """Seed of the pool's retry jitter; in a run, the run's `seed` unless set."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "options", tuple(tuple(o) for o in self.options))
@@ -77,6 +89,8 @@ class VerifierPoolConfig:
             raise ValueError(f"verifier.max_concurrency: expected >= 1, got {self.max_concurrency}")
         if self.infra_retries < 0:
             raise ValueError(f"verifier.infra_retries: expected >= 0, got {self.infra_retries}")
+        if self.cluster_concurrency < 0:
+            raise ValueError(f"verifier.cluster_concurrency: expected >= 0, got {self.cluster_concurrency}")
         if self.backoff_base_s < 0 or self.backoff_max_s < self.backoff_base_s:
             raise ValueError("verifier.backoff_base_s/backoff_max_s: expected 0 <= base <= max, got "
                              f"{self.backoff_base_s}, {self.backoff_max_s}")
@@ -85,6 +99,9 @@ class VerifierPoolConfig:
         for option in self.options:
             if len(option) != 3 or not all(isinstance(x, str) for x in option[:2]):
                 raise ValueError(f"verifier.options: expected (verifier name, option, value), got {option!r}")
+            if option[0] == "remote_sandbox":
+                raise ValueError(f"verifier.options: {option!r}: the remote sandbox is configured in [sandbox] "
+                                 f"(sandbox.{option[1]}=...)")
 
     def options_of(self, name: str) -> dict[str, Any]:
         """Keyword options for verifier `name`."""
@@ -95,133 +112,21 @@ class VerifierPoolConfig:
         return dict(self.route).get(name, name)
 
 
-@dataclass(frozen=True)
-class VerifierConfig:
-    """The run's `[verifier]` section: who scores which rows, and how the remote sandbox is called.
-    No field holds a secret: the token is read from the environment variable named by `auth_env`.
-
-    The remote fields configure the `remote_sandbox` verifier (services/verifiers/remote.py, where
-    the retry, breaker and outage rules are spelled out); a row reaches it by naming it or by
-    `route`, e.g. `verifier.route=[["code_output", "remote_sandbox"]]` for the code task."""
-
-    route: tuple[tuple[str, str], ...] = ()
-    """(verifier a row names, verifier that scores it instead): a run-level override of
-    `TaskItem.verifier`, e.g. [["code_output", "remote_sandbox"]]."""
-    options: tuple[tuple[str, str, str], ...] = ()
-    """Options of built-in or plug-in verifiers as (verifier, option, value), e.g. [["math", "answer",
-    "last_number"]] (GSM8K's flexible extraction for models that do not box answers: the default with
-    `data.format=gsm8k`; [["math", "answer", "boxed"]] there keeps the boxed rule) or [["math", "mode",
-    "process"]]: string-valued options only (services/verifiers/*.py say which a verifier takes)."""
-    endpoints: tuple[str, ...] = ("http://127.0.0.1:8080",)
-    """Remote sandbox base URLs (SandboxFusion API), used round-robin."""
-    auth_env: str = ""
-    """Name of the environment variable (in the driver's environment) holding the sandbox's bearer
-    token ('' = no token); the token itself is never part of a config file."""
-    auth_header: str = "Authorization"
-    """Header that carries the token."""
-    compile_timeout_s: float = 10.0
-    """Compile limit sent to the sandbox."""
-    run_timeout_s: float = 10.0
-    """Run limit sent to the sandbox."""
-    memory_limit_mb: int = -1
-    """Memory limit sent to the sandbox as `memory_limit_MB` (-1: the service's own default)."""
-    request_margin_s: float = 10.0
-    """Per-request deadline = queue_timeout_s + compile_timeout_s + run_timeout_s + this; past it the
-    request is retried."""
-    queue_timeout_s: float = 30.0
-    """How long a request may wait at the sandbox service for a free worker; past it the service answers
-    504 without running it (retried). A run's own timeout starts when it does."""
-    max_attempts: int = 8
-    """Failed attempts of one verification, counted while other requests get answers, before it
-    ends as infra_error."""
-    backoff_base_s: float = BACKOFF_BASE_S
-    """First retry delay; doubles per retry up to backoff_max_s, shortened by up to `jitter`."""
-    backoff_max_s: float = BACKOFF_MAX_S
-    """Cap on one retry delay."""
-    jitter: float = JITTER
-    """Fraction of each retry delay drawn at random, in [0, 1]."""
-    unhealthy_after: int = 5
-    """Consecutive failures that open an endpoint's circuit breaker."""
-    cooldown_s: float = 5.0
-    """Open breaker: seconds before one probe request may try the endpoint again."""
-    outage_s: float = 180.0
-    """No endpoint answering for this long raises VerifierOutage: the driver stops the run cleanly."""
-    cluster_concurrency: int = 64
-    """Remote requests in flight over the whole Ray cluster (deploy/limiter.py); 0 = only the
-    per-actor `max_concurrency`."""
-    limiter_name: str = "threepo-sandbox-limiter"
-    """Name of the cluster-wide limiter; runs sharing a name share its permits (the first run to
-    create it fixes the capacity)."""
-    max_concurrency: int = MAX_CONCURRENCY
-    """Verifications in flight in one verifier actor."""
-    infra_retries: int = INFRA_RETRIES
-    """Pool-level retries of a verification a verifier still returns as infra_error."""
-    seed: int = 0
-    """Seed of the retry jitter; in a run, the run's `seed` unless set."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "endpoints", tuple(self.endpoints))
-        object.__setattr__(self, "route", tuple(tuple(r) for r in self.route))
-        if self.cluster_concurrency < 0:
-            raise ValueError(f"verifier.cluster_concurrency: expected >= 0, got {self.cluster_concurrency}")
-        if self.auth_env and not self.auth_env.replace("_", "").isalnum():
-            raise ValueError(f"verifier.auth_env: expected the NAME of an environment variable, got "
-                             f"{self.auth_env!r} (never put the token itself in the config)")
-        self.pool_config(token="")  # range checks, named verifier.<field>; the token is read later
-
-    def pool_config(self, token: str | None = None) -> VerifierPoolConfig:
-        """The pool's settings (retries of infra_error, concurrency, routing) with the remote
-        sandbox's as the `config` option of `remote_sandbox` (token: see `remote_config`)."""
-        return VerifierPoolConfig(max_concurrency=self.max_concurrency, infra_retries=self.infra_retries,
-                                  backoff_base_s=self.backoff_base_s, backoff_max_s=self.backoff_max_s,
-                                  jitter=self.jitter, seed=self.seed, route=self.route,
-                                  options=(*self.options, ("remote_sandbox", "config", self.remote_config(token))))
-
-    def remote_config(self, token: str | None = None) -> RemoteSandboxConfig:
-        """The remote sandbox client's settings; the token is read from `auth_env` now unless given."""
-        from threepo.services.verifiers.remote import RemoteSandboxConfig
-
-        if token is None:
-            token = auth_token(self.auth_env)
-        try:
-            return RemoteSandboxConfig(
-                endpoints=self.endpoints, compile_timeout_s=self.compile_timeout_s,
-                run_timeout_s=self.run_timeout_s, memory_limit_mb=self.memory_limit_mb,
-                request_margin_s=self.request_margin_s,
-                queue_timeout_s=self.queue_timeout_s, max_attempts=self.max_attempts, backoff_base_s=self.backoff_base_s,
-                backoff_max_s=self.backoff_max_s, jitter=self.jitter, unhealthy_after=self.unhealthy_after,
-                cooldown_s=self.cooldown_s, outage_s=self.outage_s, auth_token=token,
-                auth_header=self.auth_header, seed=self.seed)
-        except ValueError as err:
-            raise ValueError(str(err).replace("RemoteSandboxConfig.", "verifier.")) from None
-
-
-def auth_token(env_name: str) -> str:
-    """The token in environment variable `env_name` ('' when no name is given); a name that is not
-    set is an error naming `verifier.auth_env`. A run reads it in the driver's environment and
-    hands it to the verifier actors when it creates them; it is never written to the run's files."""
-    import os
-
-    if not env_name:
-        return ""
-    if env_name not in os.environ:
-        raise UserInputError(f"verifier.auth_env={env_name!r}: the environment variable is not set; "
-                             "expected it to hold the sandbox's token")
-    return os.environ[env_name]
-
-
 class VerifierPool:
     """Scores `VerifyRequest`s in order; see the module docstring.
 
-    `factories` maps verifier names to factories used instead of `load_verifier` (tests, embedding);
-    `sleep` is the async backoff sleep (tests pass a recorder, so nothing waits). `metrics`
-    (services/metrics.py) receives result counts and latency (retries included) by verifier and status.
+    `sandbox` and `token` are what the `remote_sandbox` verifier is built with (the run's `[sandbox]`
+    and the token its `auth_env` names, read by the caller); `factories` maps verifier names to
+    factories used instead of `load_verifier` (tests, embedding; `remote_sandbox`'s receives `config`
+    and `token`); `sleep` is the async backoff sleep (tests pass a recorder, so nothing waits).
+    `metrics` (services/metrics.py) receives result counts and latency (retries included) by verifier
+    and status.
     """
 
-    def __init__(self, cfg: VerifierPoolConfig, *,
+    def __init__(self, cfg: VerifierConfig, *, sandbox: RemoteSandboxConfig | None = None, token: str = "",
                  factories: Mapping[str, Callable[..., Verifier]] | None = None,
                  sleep: Callable[[float], Awaitable[Any]] | None = None, metrics: Metrics | None = None):
-        self.cfg = cfg
+        self.cfg, self._sandbox, self._token = cfg, sandbox or RemoteSandboxConfig(), token
         self._factories = dict(factories or {})
         self._sleep = sleep or asyncio.sleep
         self._rng = random.Random(cfg.seed)
@@ -289,6 +194,8 @@ class VerifierPool:
     def _verifier(self, name: str) -> Verifier:
         if name not in self._verifiers:
             options = self.cfg.options_of(name)
+            if name == "remote_sandbox":
+                options = {"config": self._sandbox, "token": self._token}
             self._verifiers[name] = (self._factories[name](**options) if name in self._factories
                                      else load_verifier(name, **options))
         return self._verifiers[name]

@@ -48,80 +48,17 @@ from typing import Any, AsyncContextManager
 import aiohttp
 
 from threepo.services.errors import UserInputError
-from threepo.services.verifiers.base import BACKOFF_BASE_S, BACKOFF_MAX_S, JITTER, VerifierOutage
+from threepo.services.verifiers.base import VerifierOutage
 from threepo.services.verifiers.code_verifiers import prepare, result, score_run
+from threepo.services.verifiers.sandbox_config import RemoteSandboxConfig
 from threepo.services.verifiers.sandbox_wire import (START_BY_HEADER, RunCodeResponse, SandboxInfraError, SubmitResult,
                                                      parse_run_code, to_run_result)
 from threepo.services.wire.messages import VerifyRequest, VerifyResult, VerifyStatus
 
 
-@dataclass(frozen=True)
-class RemoteSandboxConfig:
-    """Where the sandbox service is and how to call it."""
-
-    endpoints: tuple[str, ...] = ("http://127.0.0.1:8080",)
-    """Base URLs, used round-robin (e.g. `http://sandbox.verifier.svc:8080`)."""
-    compile_timeout_s: float = 10.0
-    """Sent as `compile_timeout`."""
-    run_timeout_s: float = 10.0
-    """Sent as `run_timeout`."""
-    memory_limit_mb: int = -1
-    """Sent as `memory_limit_MB` (-1: the server's default)."""
-    request_margin_s: float = 10.0
-    """Added to queue + compile + run timeout to give each HTTP request's deadline."""
-    queue_timeout_s: float = 30.0
-    """Wait for a worker at the service before a 504 unrun (retried); part of the HTTP deadline."""
-    max_attempts: int = 8
-    """Failed attempts of one call, counted only while other requests get answers, before it ends
-    as infra_error (a request no endpoint can serve; see the module docstring)."""
-    backoff_base_s: float = BACKOFF_BASE_S
-    """Delay before retry k (k = 0, 1, ...) is min(backoff_max_s, base * 2**k) * U(1 - jitter, 1)."""
-    backoff_max_s: float = BACKOFF_MAX_S
-    """Cap on one backoff delay."""
-    jitter: float = JITTER
-    """Fraction of each backoff drawn at random, in [0, 1] (spreads the retries of a burst)."""
-    unhealthy_after: int = 5
-    """Consecutive failures that open an endpoint's circuit breaker."""
-    cooldown_s: float = 5.0
-    """How long an open breaker waits before letting one probe request through (half-open)."""
-    outage_s: float = 180.0
-    """When no endpoint has answered any request for this long, a waiting call raises VerifierOutage."""
-    process_concurrency: int = 64
-    """HTTP requests in flight from this process when no limiter is injected (a run injects the
-    cluster-wide one, deploy/limiter.py, and its verifier pool bounds verifications per actor)."""
-    auth_token: str = ""
-    """Sent as `<auth_header>: Bearer <auth_token>` when set (a run reads it from the environment
-    variable `verifier.auth_env`, never from a config file)."""
-    auth_header: str = "Authorization"
-    """Header that carries the token."""
-    seed: int = 0
-    """Seed of the backoff jitter."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "endpoints", tuple(self.endpoints))
-        if not self.endpoints or not all(e.startswith(("http://", "https://"))
-                                         for e in self.endpoints):
-            raise ValueError(f"RemoteSandboxConfig.endpoints: expected http(s) URLs, "
-                             f"got {self.endpoints!r}")
-        if self.memory_limit_mb != -1 and self.memory_limit_mb < 1:
-            raise ValueError(f"RemoteSandboxConfig.memory_limit_mb: expected -1 (the service's default) or >= 1, "
-                             f"got {self.memory_limit_mb}")
-        for name in ("max_attempts", "unhealthy_after", "process_concurrency"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"RemoteSandboxConfig.{name}: expected >= 1, "
-                                 f"got {getattr(self, name)}")
-        for name in ("compile_timeout_s", "run_timeout_s", "request_margin_s", "queue_timeout_s", "cooldown_s",
-                     "outage_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"RemoteSandboxConfig.{name}: expected > 0, got {getattr(self, name)}")
-        if not 0 <= self.backoff_base_s <= self.backoff_max_s or not 0 <= self.jitter <= 1:
-            raise ValueError("RemoteSandboxConfig.backoff_base_s/backoff_max_s/jitter: expected "
-                             "0 <= base <= max and jitter in [0, 1]")
-
-
 class SandboxAuthError(UserInputError):
     """HTTP 401/403: the sandbox refuses our token, for every request alike; a setup mistake to
-    fix (`verifier.auth_env`), raised rather than scored, like the other input errors."""
+    fix (`sandbox.auth_env`), raised rather than scored, like the other input errors."""
 
 
 class _Retryable(Exception):
@@ -146,10 +83,10 @@ class SandboxClient:
     waiting without doing it; request deadlines are aiohttp's and always real."""
 
     def __init__(self, config: RemoteSandboxConfig | None = None,
-                 limiter: AsyncContextManager | None = None, *,
+                 limiter: AsyncContextManager | None = None, *, token: str = "",
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep) -> None:
-        self.config = config or RemoteSandboxConfig()
+        self.config, self._token = config or RemoteSandboxConfig(), token
         self.limiter = limiter or asyncio.Semaphore(self.config.process_concurrency)
         self._endpoints = [_Endpoint(url.rstrip("/")) for url in self.config.endpoints]
         self._next = 0
@@ -268,8 +205,8 @@ class SandboxClient:
 
     async def _attempt(self, endpoint: _Endpoint, path: str, payload: dict[str, Any], deadline: float) -> Any:
         url, headers = endpoint.url + path, {START_BY_HEADER: f"{self.config.queue_timeout_s:g}"}
-        if self.config.auth_token:
-            headers[self.config.auth_header] = f"Bearer {self.config.auth_token}"
+        if self._token:
+            headers[self.config.auth_header] = f"Bearer {self._token}"
         session = self._ensure_session()
         async with self.limiter:
             self.attempts += 1
@@ -282,7 +219,7 @@ class SandboxClient:
                     self._answered(endpoint)
                     if resp.status in (401, 403):
                         raise SandboxAuthError(f"HTTP {resp.status} from {url}: the sandbox refused our token; "
-                                               "expected verifier.auth_env to name a variable holding its token")
+                                               "expected sandbox.auth_env to name a variable holding its token")
                     if resp.status == 404 and path == "/run_tests":
                         raise UserInputError(f"verifier remote_sandbox: {url} has no /run_tests (HTTP 404); "
                                              "code_tests items need threepo's sandbox service (python -m "
@@ -322,15 +259,16 @@ class RemoteSandboxVerifier:
     """`remote_sandbox`: `code_output` semantics (`/run_code`), or `code_tests` (the same two-process
     harness, through `/run_tests`, its token sent as the trusted side's stdin) when the item has tests
     (every `code_tests` item has), executed by a remote sandbox service. `options` are
-    `RemoteSandboxConfig` fields."""
+    `RemoteSandboxConfig` fields (services/verifiers/sandbox_config.py); `token` is the bearer token
+    (`RemoteSandboxConfig.token()` reads it where the run starts)."""
 
     name = "remote_sandbox"
 
     def __init__(self, config: RemoteSandboxConfig | None = None,
-                 limiter: AsyncContextManager | None = None, **options: Any) -> None:
+                 limiter: AsyncContextManager | None = None, *, token: str = "", **options: Any) -> None:
         if config is not None and options:
             raise ValueError("remote_sandbox: pass either `config` or its fields, not both")
-        self.client = SandboxClient(config or RemoteSandboxConfig(**options), limiter)
+        self.client = SandboxClient(config or RemoteSandboxConfig(**options), limiter, token=token)
 
     async def verify(self, request: VerifyRequest) -> VerifyResult:
         start = time.monotonic()

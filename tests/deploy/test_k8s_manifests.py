@@ -262,18 +262,15 @@ def test_rayjob_runs_threepo_on_that_cluster(overlay):
     assert cfg.runtime.ray_address == "auto" and cfg.runs_dir == entry["runs_dir"] == "/runs"
 
 
-def test_rayjob_verifier_overrides_are_valid_config():
-    from threepo.deploy.config import RunConfig, load_config
+def test_rayjob_verifier_and_sandbox_overrides_are_valid_config():
+    from threepo.deploy.config import load_config
 
-    if "verifier" not in RunConfig.__dataclass_fields__:
-        pytest.skip("the [verifier] config section is not in deploy/config.py yet; the entrypoints' "
-                    "verifier.* overrides are checked once it is")
     for overlay in OVERLAYS:
         objects = render(overlay)
         entry = _entrypoint(objects)
         cfg = load_config(entry["recipe"], entry["overrides"])
         service = one(objects, "Service", "threepo-sandbox")
-        assert cfg.verifier.endpoints == (f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}",)
+        assert cfg.sandbox.endpoints == (f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}",)
         assert dict(cfg.verifier.route) == {"code_output": "remote_sandbox", "code_tests": "remote_sandbox"}, \
             "code rows go to the sandbox service, not to bubblewrap in the verifier pods"
 

@@ -1,5 +1,5 @@
 """A code-task run scored by the sandbox server on loopback, configured from the command line
-(`threepo train task.family=code verifier.endpoints=[...] verifier.route=[...]`), behind a proxy
+(`threepo train task.family=code sandbox.endpoints=[...] verifier.route=[...]`), behind a proxy
 that answers 30% of requests with 503: it completes with exact counts and no infra_error. The policy is a tiny model warm-started on the code task just long enough to write
 `\\boxed{print(...)}` programs, so the completions reach the sandbox."""
 
@@ -47,9 +47,9 @@ def train_code(tmp_path, policy, endpoint, monkeypatch, *extra) -> tuple[int, di
     monkeypatch.setenv(TOKEN_ENV, "s3cret")
     runs = tmp_path / "runs"
     rc = main(["train", f"model.path={policy}", f"runs_dir={runs}", "task.family=code", "task.difficulty=1",
-               f'verifier.endpoints=["{endpoint}"]', 'verifier.route=[["code_output", "remote_sandbox"]]',
-               f"verifier.auth_env={TOKEN_ENV}", f"verifier.limiter_name=test-limiter-{tmp_path.name}",
-               "verifier.cluster_concurrency=4", "verifier.backoff_base_s=0.05", "verifier.cooldown_s=0.5",
+               f'sandbox.endpoints=["{endpoint}"]', 'verifier.route=[["code_output", "remote_sandbox"]]',
+               f"sandbox.auth_env={TOKEN_ENV}", f"verifier.limiter_name=test-limiter-{tmp_path.name}",
+               "verifier.cluster_concurrency=4", "sandbox.backoff_base_s=0.05", "sandbox.cooldown_s=0.5",
                "runtime.sampler_cpus=0.5", "runtime.learner_cpus=0.5", "runtime.verifier_cpus=0.25",
                "runtime.prompts_per_step=2", "runtime.steps=2", "runtime.checkpoint_every=0",
                "algo.group_size=8", "sampler.max_new_tokens=24", "eval.num_items=4",
@@ -99,7 +99,7 @@ def test_a_sandbox_down_for_good_stops_the_run_with_a_summary_and_it_resumes_lat
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     try:
-        rc, summary, rows = train_code(tmp_path, code_policy, dead, monkeypatch, "verifier.outage_s=2",
+        rc, summary, rows = train_code(tmp_path, code_policy, dead, monkeypatch, "sandbox.outage_s=2",
                                        "runtime.steps=3", "eval.around_training=false")
     finally:
         _kill_limiter(tmp_path)
@@ -107,8 +107,8 @@ def test_a_sandbox_down_for_good_stops_the_run_with_a_summary_and_it_resumes_lat
     assert summary["infra_errors"] == 0 and summary["steps"] == 0  # nothing unscored reached the learner
     (run_dir,) = list((tmp_path / "runs").iterdir())
     server, _ = sandbox
-    assert main(["train", "--resume", str(run_dir), f'verifier.endpoints=["{server.url}"]',
-                 "verifier.outage_s=60"]) == 0
+    assert main(["train", "--resume", str(run_dir), f'sandbox.endpoints=["{server.url}"]',
+                 "sandbox.outage_s=60"]) == 0
     with open(run_dir / "summary.json") as f:
         resumed = json.load(f)
     assert resumed["steps"] == 3 and resumed["consumed_rollouts"] == resumed["admitted_rollouts"] == 3 * 16

@@ -195,8 +195,7 @@ def test_last_number_extraction_for_models_that_do_not_box():
     from threepo.services.verifiers.pool import VerifierPool
 
     item = TaskItem(uid="g", prompt="q", answer="1000")
-    pool = VerifierPool(load_config(None, ['verifier.options=[["math", "answer", "last_number"]]']).verifier
-                        .pool_config(""))
+    pool = VerifierPool(load_config(None, ['verifier.options=[["math", "answer", "last_number"]]']).verifier)
     cases = [("So Eli has 600 + 400 = 1,000 coins.", "stop", VerifyStatus.OK),
              ("So 999 coins.", "stop", VerifyStatus.WRONG),
              ("The answer is \\boxed{1000}.", "stop", VerifyStatus.OK),        # a box still counts

@@ -11,9 +11,9 @@ import pytest
 from aiohttp import web
 
 from threepo.services.verifiers.base import VerifierOutage, load_verifier
-from threepo.services.verifiers.remote import (RemoteSandboxConfig, RemoteSandboxVerifier, SandboxAuthError,
-                                               SandboxClient)
+from threepo.services.verifiers.remote import RemoteSandboxVerifier, SandboxAuthError, SandboxClient
 from threepo.services.verifiers.sandbox import SandboxConfig
+from threepo.services.verifiers.sandbox_config import RemoteSandboxConfig
 from threepo.services.verifiers.sandbox_server import SandboxServerConfig, make_app
 from threepo.services.wire.messages import TaskItem, VerifyRequest, VerifyStatus
 
@@ -66,12 +66,12 @@ def client_config(url, **kw):
     return RemoteSandboxConfig(**{**base, **kw})
 
 
-def verify_with(plan, completion="\\boxed{print(12*7)}", token="", item=ITEM, **kw):
+def verify_with(plan, completion="\\boxed{print(12*7)}", token="", item=ITEM, sent="", **kw):
     async def go():
         faults = Faults(*plan)
         runner, url = await serve(faults, token)
         try:
-            verifier = RemoteSandboxVerifier(client_config(url, **kw))
+            verifier = RemoteSandboxVerifier(client_config(url, **kw), token=sent)
             r = await verifier.verify(VerifyRequest(item, completion))
             await verifier.aclose()
             return r, verifier.client.attempts
@@ -120,11 +120,11 @@ def test_client_errors_4xx_are_not_retried(status):
 
 
 def test_a_refused_token_is_a_setup_error_not_a_row_error():
-    with pytest.raises(SandboxAuthError, match="HTTP 401 .* verifier.auth_env"):
+    with pytest.raises(SandboxAuthError, match="HTTP 401 .* sandbox.auth_env"):
         verify_with(["ok"], token="s3cret")  # we send no token
     with pytest.raises(SandboxAuthError):
-        verify_with(["ok"], token="s3cret", auth_token="wrong")
-    r, attempts = verify_with(["ok"], token="s3cret", auth_token="s3cret")
+        verify_with(["ok"], token="s3cret", sent="wrong")
+    r, attempts = verify_with(["ok"], token="s3cret", sent="s3cret")
     assert r.status is VerifyStatus.OK and attempts == 1
 
 

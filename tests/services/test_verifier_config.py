@@ -1,6 +1,7 @@
-"""The run's `[verifier]` section: composed into RunConfig, set from the command line, checked by
-field, never holding the token; rows routed to the verifier it names; VerifierOutage reaches the
-pool's caller and stops the rest of the batch."""
+"""The run's `[verifier]` and `[sandbox]` sections: composed into RunConfig, set from the command line,
+checked by field, never holding the token, a moved setting named with its new key; rows routed to the
+verifier it names, the remote one built from `[sandbox]`; VerifierOutage reaches the pool's caller
+and stops the rest of the batch."""
 
 from __future__ import annotations
 
@@ -12,41 +13,49 @@ import pytest
 from threepo.deploy.config import ConfigError, load_config, to_toml
 from threepo.services.errors import UserInputError
 from threepo.services.verifiers.base import VerifierOutage
-from threepo.services.verifiers.pool import VerifierConfig, VerifierPool, auth_token
+from threepo.services.verifiers.pool import VerifierConfig, VerifierPool
+from threepo.services.verifiers.sandbox_config import RemoteSandboxConfig
 from threepo.services.wire.messages import TaskItem, VerifyRequest, VerifyResult, VerifyStatus
 
 ROUTE = 'verifier.route=[["code_output", "remote_sandbox"]]'
 
 
-def test_verifier_section_from_the_command_line_round_trips(tmp_path, monkeypatch):
+def test_verifier_and_sandbox_sections_from_the_command_line_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv("SANDBOX_TOKEN", "s3cret")
-    cfg = load_config(None, [ROUTE, 'verifier.endpoints=["http://a:1", "https://b:2"]',
-                             "verifier.auth_env=SANDBOX_TOKEN", "verifier.outage_s=60", "verifier.cluster_concurrency=16",
-                             "verifier.memory_limit_mb=512"])
-    v = cfg.verifier
-    assert v.route == (("code_output", "remote_sandbox"),) and v.endpoints == ("http://a:1", "https://b:2")
-    assert v.outage_s == 60.0 and v.cluster_concurrency == 16
+    cfg = load_config(None, [ROUTE, 'sandbox.endpoints=["http://a:1", "https://b:2"]',
+                             "sandbox.auth_env=SANDBOX_TOKEN", "sandbox.outage_s=60", "verifier.cluster_concurrency=16",
+                             "sandbox.memory_limit_mb=512"])
+    v, sandbox = cfg.verifier, cfg.sandbox
+    assert v.route == (("code_output", "remote_sandbox"),) and sandbox.endpoints == ("http://a:1", "https://b:2")
+    assert sandbox.outage_s == 60.0 and sandbox.memory_limit_mb == 512 and v.cluster_concurrency == 16
     text = to_toml(cfg)
-    assert "[verifier]" in text and "s3cret" not in text
+    assert "[verifier]" in text and "[sandbox]" in text and "s3cret" not in text
     (tmp_path / "run.toml").write_text(text)
-    assert load_config(str(tmp_path / "run.toml")).verifier == v
-    remote = v.remote_config()  # read from the environment only now
-    assert remote.auth_token == "s3cret" and remote.endpoints == v.endpoints and remote.outage_s == 60.0
-    assert remote.memory_limit_mb == 512  # every remote field of the run's section reaches the client
+    again = load_config(str(tmp_path / "run.toml"))
+    assert (again.verifier, again.sandbox) == (v, sandbox)
+    assert sandbox.token() == "s3cret"  # read from the environment only when asked
+
+
+def test_a_moved_setting_names_its_new_key():
+    with pytest.raises(ConfigError, match=re.escape("verifier.endpoints: moved to sandbox.endpoints")):
+        load_config(None, ['verifier.endpoints=["http://a:1"]'])
+    with pytest.raises(ConfigError, match=re.escape("the remote sandbox is configured in [sandbox] (sandbox.outage_s")):
+        load_config(None, ['verifier.options=[["remote_sandbox", "outage_s", "1"]]'])
 
 
 @pytest.mark.parametrize("override,message", [
-    ('verifier.endpoints=["sandbox:8080"]', "verifier.endpoints: expected http(s) URLs"),
-    ("verifier.outage_s=0", "verifier.outage_s: expected > 0"),
-    ("verifier.cooldown_s=-1", "verifier.cooldown_s: expected > 0"),
-    ("verifier.max_attempts=0", "verifier.max_attempts: expected >= 1"),
-    ("verifier.unhealthy_after=0", "verifier.unhealthy_after: expected >= 1"),
+    ('sandbox.endpoints=["sandbox:8080"]', "sandbox.endpoints: expected http(s) URLs"),
+    ("sandbox.outage_s=0", "sandbox.outage_s: expected > 0"),
+    ("sandbox.cooldown_s=-1", "sandbox.cooldown_s: expected > 0"),
+    ("sandbox.max_attempts=0", "sandbox.max_attempts: expected >= 1"),
+    ("sandbox.unhealthy_after=0", "sandbox.unhealthy_after: expected >= 1"),
     ("verifier.cluster_concurrency=-1", "verifier.cluster_concurrency: expected >= 0"),
-    ("verifier.memory_limit_mb=0", "verifier.memory_limit_mb: expected -1 (the service's default) or >= 1"),
-    ("verifier.jitter=2", "jitter"),
-    ('verifier.auth_env="Bearer abc"', "verifier.auth_env: expected the NAME of an environment variable"),
+    ("sandbox.memory_limit_mb=0", "sandbox.memory_limit_mb: expected -1 (the service's default) or >= 1"),
+    ("verifier.jitter=2", "verifier.jitter"),
+    ("sandbox.jitter=2", "sandbox.backoff_base_s/backoff_max_s/jitter"),
+    ('sandbox.auth_env="Bearer abc"', "sandbox.auth_env: expected the NAME of an environment variable"),
     ('verifier.route=[["code_output"]]', "verifier.route: expected [row verifier, verifier] pairs"),
-    ("verifier.endpoints=8080", "verifier.endpoints: expected a list"),
+    ("sandbox.endpoints=8080", "sandbox.endpoints: expected a list"),
 ])
 def test_bad_verifier_values_name_the_field(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -55,9 +64,9 @@ def test_bad_verifier_values_name_the_field(override, message):
 
 def test_the_token_variable_must_be_set(monkeypatch):
     monkeypatch.delenv("NO_SUCH_TOKEN_VAR", raising=False)
-    with pytest.raises(UserInputError, match="verifier.auth_env='NO_SUCH_TOKEN_VAR': the environment variable is not set"):
-        auth_token("NO_SUCH_TOKEN_VAR")
-    assert auth_token("") == ""
+    with pytest.raises(UserInputError, match="sandbox.auth_env='NO_SUCH_TOKEN_VAR': the environment variable is not set"):
+        RemoteSandboxConfig(auth_env="NO_SUCH_TOKEN_VAR").token()
+    assert RemoteSandboxConfig().token() == ""
 
 
 class Recorder:
@@ -86,16 +95,18 @@ def test_rows_go_to_the_verifier_the_route_names():
     def remote(**options):
         built["remote"] = Recorder("remote_sandbox", **options)
         return built["remote"]
-    cfg = VerifierConfig(route=(("code_output", "remote_sandbox"),), endpoints=("http://sandbox:9",))
-    pool = VerifierPool(cfg.pool_config(token=""), factories={"remote_sandbox": remote, "code_output": None})
+    cfg = VerifierConfig(route=(("code_output", "remote_sandbox"),))
+    pool = VerifierPool(cfg, sandbox=RemoteSandboxConfig(endpoints=("http://sandbox:9",)), token="t0k",
+                        factories={"remote_sandbox": remote, "code_output": None})
     results = pool.verify_batch(rows(3))
     assert [r.status for r in results] == [VerifyStatus.OK] * 3 and built["remote"].seen == ["r0", "r1", "r2"]
-    assert built["remote"].options["config"].endpoints == ("http://sandbox:9",)  # configured from [verifier]
+    assert built["remote"].options["config"].endpoints == ("http://sandbox:9",)  # configured from [sandbox]
+    assert built["remote"].options["token"] == "t0k"
 
 
 def test_verifier_outage_reaches_the_caller_and_stops_the_batch():
     verifier = Recorder("remote_sandbox", outage_on="r1")
-    pool = VerifierPool(VerifierConfig(max_concurrency=4).pool_config(token=""),
+    pool = VerifierPool(VerifierConfig(max_concurrency=4),
                         factories={"code_output": lambda **o: verifier})
     with pytest.raises(VerifierOutage, match="every endpoint down"):
         pool.verify_batch(rows(4))
@@ -131,7 +142,7 @@ def test_evaluation_verifies_through_the_pool_concurrently_and_closes_its_verifi
     items = [r.item for r in rows(12)]
     generate = lambda requests, params: [[GeneratedSample((7,), (0.0,), "stop", f"{i}")]  # noqa: E731
                                          for i, _ in enumerate(requests)]
-    pool = VerifierPool(VerifierConfig(max_concurrency=4, backoff_base_s=0.0, backoff_max_s=0.0).pool_config(""),
+    pool = VerifierPool(VerifierConfig(max_concurrency=4, backoff_base_s=0.0, backoff_max_s=0.0),
                         factories={"code_output": lambda **o: Flaky("code_output")})
     report = evaluate(generate, items, pool.verify_batch, Prompts(), samples_per_item=1, k=1, temperature=0.0,
                       max_new_tokens=4)

@@ -19,15 +19,16 @@ from threepo.services.verifiers.base import VerifierOutage
 from threepo.services.verifiers.fault_proxy import FaultConfig, FaultProxy
 from threepo.services.verifiers.pool import VerifierConfig, VerifierPool
 from threepo.services.verifiers.sandbox import SandboxConfig
+from threepo.services.verifiers.sandbox_config import RemoteSandboxConfig
 from threepo.services.verifiers.sandbox_server import SERVICE, SandboxServerConfig, make_app
 from threepo.services.wire.messages import TaskItem, VerifyRequest, VerifyStatus
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap missing: apt-get install -y bubblewrap")
 
-FAST = dict(route=(("code_output", "remote_sandbox"),), compile_timeout_s=0.1, run_timeout_s=2.0,
-            request_margin_s=1.0, backoff_base_s=0.05, backoff_max_s=0.3, cooldown_s=0.3,
-            outage_s=1.5, max_concurrency=8, infra_retries=0)
+POOL = VerifierConfig(route=(("code_output", "remote_sandbox"),), max_concurrency=8, infra_retries=0)
+FAST = dict(compile_timeout_s=0.1, run_timeout_s=2.0, request_margin_s=1.0, backoff_base_s=0.05, backoff_max_s=0.3,
+            cooldown_s=0.3, outage_s=1.5)
 
 
 def batch(n: int) -> tuple[list[VerifyRequest], list[VerifyStatus]]:
@@ -70,7 +71,7 @@ async def with_proxies(n_proxies, body, workers=2, **fault):
 
 
 async def verify(urls, requests, **overrides):
-    pool = VerifierPool(VerifierConfig(**{**FAST, "endpoints": tuple(urls), **overrides}).pool_config())
+    pool = VerifierPool(POOL, sandbox=RemoteSandboxConfig(**{**FAST, "endpoints": tuple(urls), **overrides}))
     try:
         return await pool.averify_batch(requests)
     finally:
@@ -257,7 +258,7 @@ def test_a_refused_connection_past_the_bound_raises_verifier_outage_even_when_ba
     # cooldown, so a half-open probe is always due when the next attempt starts
     import socket
 
-    from threepo.services.verifiers.remote import RemoteSandboxConfig, RemoteSandboxVerifier
+    from threepo.services.verifiers.remote import RemoteSandboxVerifier
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from threepo.services.metrics import PrometheusMetrics
-from threepo.services.verifiers.pool import VerifierPool, VerifierPoolConfig
+from threepo.services.verifiers.pool import VerifierConfig, VerifierPool
 from threepo.services.wire.messages import TaskItem, VerifyRequest, VerifyResult, VerifyStatus
 
 NAN = float("nan")
@@ -58,13 +58,13 @@ class Sleeps:
 
 
 def make_pool(fake, cfg=None, sleeps=None, metrics=None):
-    return VerifierPool(cfg or VerifierPoolConfig(), factories={"fake": lambda **o: fake}, sleep=sleeps or Sleeps(),
+    return VerifierPool(cfg or VerifierConfig(), factories={"fake": lambda **o: fake}, sleep=sleeps or Sleeps(),
                         metrics=metrics)
 
 
 def test_flaky_infra_error_is_retried_with_backoff_until_ok():
     fake, sleeps = FakeVerifier(failures={"a-ok": 2}), Sleeps()
-    pool = make_pool(fake, VerifierPoolConfig(backoff_base_s=0.5, backoff_max_s=0.8, jitter=0.5), sleeps)
+    pool = make_pool(fake, VerifierConfig(backoff_base_s=0.5, backoff_max_s=0.8, jitter=0.5), sleeps)
     [result] = pool.verify_batch([request("a-ok")])
     assert result.status is VerifyStatus.OK and result.reward == 1.0
     assert fake.calls == {"a-ok": 3}
@@ -78,7 +78,7 @@ def test_flaky_infra_error_is_retried_with_backoff_until_ok():
 @pytest.mark.parametrize("retries", [0, 2, 3])
 def test_persistent_infra_error_stays_nan_after_exactly_one_plus_retries_attempts(retries):
     fake, sleeps = FakeVerifier(failures={"b-ok": 99}, infra_reward=0.0), Sleeps()  # 0.0 breaks the contract
-    pool = make_pool(fake, VerifierPoolConfig(infra_retries=retries, jitter=0.0), sleeps)
+    pool = make_pool(fake, VerifierConfig(infra_retries=retries, jitter=0.0), sleeps)
     [result] = pool.verify_batch([request("b-ok")])
     assert result.status is VerifyStatus.INFRA_ERROR and math.isnan(result.reward)
     assert fake.calls == {"b-ok": 1 + retries}
@@ -89,7 +89,7 @@ def test_persistent_infra_error_stays_nan_after_exactly_one_plus_retries_attempt
 def test_results_keep_request_order_and_concurrency_stays_within_the_limit():
     uids = [f"r{i}-{'ok' if i % 3 else 'no'}" for i in range(12)]
     fake = FakeVerifier(yields={u: 12 - i for i, u in enumerate(uids)}, failures={uids[4]: 1})
-    pool = make_pool(fake, VerifierPoolConfig(max_concurrency=3))
+    pool = make_pool(fake, VerifierConfig(max_concurrency=3))
     results = pool.verify_batch([request(u) for u in uids])
     assert fake.finished[:3] != uids[:3]  # they did finish out of order
     assert [r.status for r in results] == [VerifyStatus.OK if u.endswith("ok") else VerifyStatus.WRONG
@@ -107,7 +107,7 @@ def test_verifiers_are_built_lazily_once_per_name_with_their_options_and_closed(
         built.append(options)
         return FakeVerifier(**options)
 
-    cfg = VerifierPoolConfig(options=(("fake", "level", 2), ("math", "mode", "process")))
+    cfg = VerifierConfig(options=(("fake", "level", 2), ("math", "mode", "process")))
     pool = VerifierPool(cfg, factories={"fake": factory}, sleep=Sleeps())
     assert built == []
     pool.verify_batch([request("a-ok"), request("b-ok")])
@@ -123,17 +123,17 @@ def test_verifiers_are_built_lazily_once_per_name_with_their_options_and_closed(
 
 def test_bad_config_names_the_field():
     with pytest.raises(ValueError, match="max_concurrency"):
-        VerifierPoolConfig(max_concurrency=0)
+        VerifierConfig(max_concurrency=0)
     with pytest.raises(ValueError, match="jitter"):
-        VerifierPoolConfig(jitter=1.5)
+        VerifierConfig(jitter=1.5)
     with pytest.raises(ValueError, match="options"):
-        VerifierPoolConfig(options=(("math", "mode"),))
+        VerifierConfig(options=(("math", "mode"),))
 
 
 def test_results_and_latency_metrics_by_verifier_and_status():
     metrics = PrometheusMetrics()
     fake = FakeVerifier(failures={"c-ok": 1, "d-ok": 9})
-    pool = make_pool(fake, VerifierPoolConfig(infra_retries=1), metrics=metrics)
+    pool = make_pool(fake, VerifierConfig(infra_retries=1), metrics=metrics)
     pool.verify_batch([request(u) for u in ("a-ok", "b-no", "c-ok", "d-ok")])
 
     def value(name, status):
@@ -144,7 +144,7 @@ def test_results_and_latency_metrics_by_verifier_and_status():
 
 
 def test_real_math_verifier_through_the_pool():
-    pool = VerifierPool(VerifierPoolConfig(max_concurrency=2))
+    pool = VerifierPool(VerifierConfig(max_concurrency=2))
     cases = [("\\boxed{81}", "81", VerifyStatus.OK), ("\\boxed{80}", "81", VerifyStatus.WRONG),
              ("81", "81", VerifyStatus.MALFORMED), ("so \\boxed{\\frac{1}{2}}", "0.5", VerifyStatus.OK)]
     results = pool.verify_batch([request(f"m{i}", "math", c, a) for i, (c, a, _) in enumerate(cases)])
