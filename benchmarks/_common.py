@@ -28,7 +28,7 @@ os.environ.setdefault("RAY_ADDRESS", "local")
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # quiet runs: no periodic checkpoints, no held-out evaluation inside the timed loop
-RUN_DEFAULTS = ("runtime.checkpoint_every=0", "runtime.eval_every=0")
+RUN_DEFAULTS = ("runtime.checkpoint_every=end", "runtime.eval_every=off")
 
 
 def parser(doc: str) -> argparse.ArgumentParser:

@@ -242,8 +242,8 @@ def start_roles(cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str 
     check_backend_installed(cfg)
     env, run_id = {"env_vars": ACTOR_ENV}, os.path.basename(os.path.abspath(run_dir))
     sampler_cfg = cfg.sampler
-    samplers = [start_sampler(cfg, policy_path, run_dir, i) for i in range(rt.num_samplers)]
-    if not rt.num_samplers and rt.request_samplers:  # let the autoscaler grow the sampler group
+    samplers = [start_sampler(cfg, policy_path, run_dir, i) for i in range(rt.fixed_samplers)]
+    if rt.elastic and rt.request_samplers:  # let the autoscaler grow the sampler group
         from ray.autoscaler.sdk import request_resources
 
         request_resources(bundles=[{rt.sampler_resource: 1}] * rt.request_samplers)
@@ -255,11 +255,11 @@ def start_roles(cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str 
         for i in range(rt.num_verifiers)
     ]
     evaluator = None
-    if rt.eval_every and rt.eval_every <= rt.steps:  # only a run that evaluates while training has one
+    if rt.eval_every != "off" and rt.eval_every <= rt.steps:  # only a run that evaluates while training has one
         from threepo.services.tasks.datasets import eval_items
 
         items = eval_items(cfg.data, cfg.task, cfg.eval)
-        evaluator = ray.remote(EvaluatorActor).options(num_cpus=rt.eval_cpus, num_gpus=(rt.eval_gpus or 1.0) if cfg.eval.device == "cuda" else 0,
+        evaluator = ray.remote(EvaluatorActor).options(num_cpus=rt.eval_cpus, num_gpus=rt.eval_gpus,
                                                        runtime_env=env, name=f"{run_id}-evaluator").remote(
             policy_path, dataclasses.replace(sampler_cfg, backend="hf", batch_size=cfg.eval.batch_size,
                                              device=cfg.eval.device, tensor_parallel_size=1), items,
@@ -271,10 +271,10 @@ def start_roles(cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str 
 
 def start_sampler(cfg: RunConfig, policy_path: str, run_dir: str, index: int):
     """Sampler `index` as an actor. Fixed pool: restarted by Ray whenever it dies (max_restarts=-1).
-    Elastic pool (`runtime.num_samplers = 0`): placed on a node offering `runtime.sampler_resource`
+    Elastic pool (`runtime.num_samplers = "elastic"`): placed on a node offering `runtime.sampler_resource`
     and never restarted — when its node leaves, it is gone and the driver routes around it."""
     rt = cfg.runtime
-    elastic = not rt.num_samplers
+    elastic = rt.elastic
     options = dict(num_cpus=rt.sampler_cpus, num_gpus=rt.sampler_gpus, max_restarts=0 if elastic else -1,
                    max_task_retries=0,
                    runtime_env={"env_vars": ACTOR_ENV},

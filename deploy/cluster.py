@@ -87,5 +87,5 @@ def _port_free(host: str, port: int) -> bool:
 
 def _cpus_needed(cfg: RunConfig) -> int:
     rt = cfg.runtime
-    return int(rt.num_samplers * rt.sampler_cpus + rt.num_verifiers * rt.verifier_cpus + rt.eval_cpus
+    return int(rt.fixed_samplers * rt.sampler_cpus + rt.num_verifiers * rt.verifier_cpus + rt.eval_cpus
                + cfg.learner.ranks * rt.learner_cpus + 0.999)

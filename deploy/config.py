@@ -13,7 +13,6 @@ file is itself a valid recipe.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import tomllib
 import types
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from threepo.algorithms.noise_mask import NoiseConfig
+from threepo.deploy.runtime_config import RuntimeConfig
 from threepo.services.bootstrap import BootstrapConfig
 from threepo.services.errors import UserInputError
 from threepo.services.evaluation import EvalConfig
@@ -38,116 +38,6 @@ from threepo.services.verifiers.pool import VerifierConfig
 from threepo.services.verifiers.sandbox_config import RemoteSandboxConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    """How the roles run on Ray and how the driver schedules them (deploy/run.py)."""
-
-    mode: Literal["async", "sync"] = "async"
-    """async: sampling, verification and learning overlap under a staleness bound; sync: one phase
-    after another on the same components (for comparison)."""
-    steps: int = 250
-    """Learner steps to run."""
-    prompts_per_step: int = 8
-    """Prompts whose groups make one learner step (M3PO: each prompt gives M groups)."""
-    max_offpolicy: int = 1
-    """Admission bound: prompts are admitted only while every admitted group will be consumed
-    within this many learner steps after the current one (admission control, never discarding)."""
-    num_samplers: int = 1
-    """Sampler engine actors (the hf engine decodes a call's slots together, vllm and sglang serve them
-    one at a time; on 2 cores one engine beside the learner is fastest); 0 = elastic: one sampler per unit of
-    `runtime.sampler_resource` the cluster offers, started as nodes join, dropped (their work
-    re-issued) as nodes leave."""
-    sampler_resource: str = "threepo_sampler"
-    """Elastic pool (num_samplers = 0): the custom Ray resource a node offers per sampler it can
-    host (`ray start --resources='{"threepo_sampler": 1}'`; the KubeRay sampler group sets it)."""
-    request_samplers: int = 0
-    """Elastic pool: ask the cluster's autoscaler for this many units of `sampler_resource`
-    (ray.autoscaler.sdk.request_resources), so KubeRay grows the sampler group (0 = ask for none)."""
-    pool_check_s: float = 2.0
-    """Elastic pool: seconds between looks at the cluster's sampler capacity."""
-    sampler_cpus: float = 1.0
-    """Ray CPUs per sampler actor (its torch threads follow)."""
-    sampler_gpus: float = 0.0
-    """Ray GPUs per sampler actor (vllm/sglang on CUDA: `sampler.tensor_parallel_size`; 0 = CPU)."""
-    num_verifiers: int = 1
-    """Verifier-pool actors (synchronous, so math-verify's SIGALRM timeouts work)."""
-    verifier_cpus: float = 0.25
-    """Ray CPUs per verifier actor."""
-    learner_cpus: float = 1.0
-    """Ray CPUs of the learner actor (its torch threads follow)."""
-    pin_learner: bool = True
-    """Local clusters on Linux with one CPU learner: the learner's process runs alone on the last
-    `learner_cpus` cores and every other process of the run (Ray's, the roles', the drift process,
-    the driver) on the rest, so sampling never preempts the update (deploy/cores.py). The driver
-    prints where each runs, or why it does not pin."""
-    requests_per_call: int = 32
-    """Most rollout requests sent to one sampler in one call (32: a default C3PO step's 8 prompts ×
-    4 slots, decoded together in one engine call; two calls of 16 cost that engine 1.2x the CPU)."""
-    checkpoint_every: int = 50
-    """Learner steps between checkpoints (0 = only at the end)."""
-    keep_checkpoints: int = 2
-    """Checkpoints kept in the run directory."""
-    eval_every: int = 50
-    """Learner steps between held-out evaluations during training, one sample per item at the
-    sampling temperature, by an evaluator actor off the learner's critical path (0 = only the
-    before/after evaluation of `threepo train`)."""
-    eval_cpus: float = 0.25
-    """Ray CPUs of the evaluator actor (it works only every `eval_every` steps)."""
-    eval_gpus: float = 0.0
-    """Ray GPUs of the evaluator actor with `eval.device=cuda` (0 = one whole GPU; a fraction shares a
-    sampler's GPU: e.g. runtime.sampler_gpus=0.9 and 0.1 here)."""
-    ray_address: str = ""
-    """Ray cluster to join ('' = start a local one; 'auto' = the cluster this runs in)."""
-    metrics_port: int = 8090
-    """Local clusters only: the port of Ray's metrics agent, where Prometheus scrapes every role's
-    `threepo_*` metrics (`http://127.0.0.1:8090/metrics` by default). When it is taken (another run
-    on this machine) Ray picks a free one and the driver prints which; 0 = always a free one. A
-    joined cluster keeps its own (KubeRay: 8080 on every node)."""
-    metrics_host: Literal["127.0.0.1", "0.0.0.0"] = "127.0.0.1"
-    """Local clusters only: 127.0.0.1 keeps the metrics port (and the rest of the local Ray cluster)
-    on loopback; 0.0.0.0 serves it on every interface, for a Prometheus on another machine."""
-    max_reissues: int = 5
-    """A request re-issued more often than this (crashes, checksum mismatches, infra errors) stops the run."""
-    sampler_restart_s: float = 900.0
-    """Fixed pool: how long the driver waits for a sampler that Ray is restarting (its requests go
-    to the other samplers or wait; none is spent) before it stops the run. An engine loading a
-    large model takes minutes."""
-    max_restores: int = 3
-    """Times the driver restarts a dead learner or posterior server from the latest checkpoint by
-    itself before it stops with the resume command (0 = stop at once)."""
-    log_rollouts: bool = True
-    """Append every consumed group (msgpack, schema-versioned; one record of the step's arrays per
-    step, `batching.logged_groups` reads them as groups) to `rollouts.log` in the run directory."""
-    trackers: tuple[Literal["tensorboard", "wandb"], ...] = ()
-    """Experiment trackers that receive every metrics.jsonl row (training steps and held-out rows):
-    `tensorboard` (event files in <run dir>/tensorboard), `wandb` (Weights & Biases, under <run
-    dir>/wandb, `runtime.wandb_mode`). Needs `pip install 'threepo[tracking]'`."""
-    wandb_project: str = "threepo"
-    """W&B project the run is logged to (the run's name is its run directory's)."""
-    wandb_mode: Literal["offline", "online"] = "offline"
-    """offline: no account or network needed; `wandb sync <run dir>/wandb/offline-run-*` uploads it
-    later. online: logs as it goes (needs `wandb login` or WANDB_API_KEY)."""
-
-    def __post_init__(self) -> None:
-        for tracker in self.trackers:
-            if importlib.util.find_spec(tracker) is None:
-                raise ValueError(f"runtime.trackers: {tracker} is not installed (pip install 'threepo[tracking]')")
-        if not self.sampler_restart_s > 0:
-            raise ValueError(f"runtime.sampler_restart_s: expected > 0, got {self.sampler_restart_s}")
-        if self.num_samplers < 0 or self.request_samplers < 0 or not self.pool_check_s > 0:
-            raise ValueError("runtime.num_samplers and runtime.request_samplers: expected >= 0 (num_samplers 0 ="
-                             " elastic), runtime.pool_check_s: expected > 0")
-        for name in ("steps", "prompts_per_step", "num_verifiers", "requests_per_call"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"runtime.{name}: expected >= 1, got {getattr(self, name)}")
-        if self.sampler_gpus < 0:
-            raise ValueError(f"runtime.sampler_gpus: expected >= 0, got {self.sampler_gpus}")
-        if self.max_offpolicy < 0:
-            raise ValueError(f"runtime.max_offpolicy: expected >= 0, got {self.max_offpolicy}")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"runtime.metrics_port: expected a port in [0, 65535], got {self.metrics_port}")
 
 
 @dataclass(frozen=True)
@@ -189,10 +79,13 @@ class RunConfig:
         check_learner(self.learner, self.algo, self.optim)
         check_lora(self.lora, self.algo, self.learner)
         _check_sampler(self.sampler, self.runtime)
-        if self.runtime.eval_gpus > 0 and self.eval.device != "cuda":
-            raise ValueError(f"runtime.eval_gpus={self.runtime.eval_gpus}: the evaluator decodes on the CPU "
-                             "unless eval.device=cuda")
-        if not self.sampler.max_new_tokens:  # 0: the generation limit follows the task tier or the data format
+        if self.runtime.eval_gpus == "auto":  # a whole GPU for an evaluator that decodes on one
+            object.__setattr__(self, "runtime", dataclasses.replace(
+                self.runtime, eval_gpus=1.0 if self.eval.device == "cuda" else 0.0))
+        if (self.runtime.eval_gpus > 0) != (self.eval.device == "cuda"):
+            raise ValueError(f"runtime.eval_gpus={self.runtime.eval_gpus} with eval.device={self.eval.device}: the "
+                             "evaluator decodes on a GPU share only with eval.device=cuda, and needs one then")
+        if self.sampler.max_new_tokens == "auto":  # the generation limit follows the task tier or the data format
             limit = (MAX_NEW_TOKENS[self.data.format] if self.data.path
                      else max_new_tokens_for(self.task.family, self.task.difficulty))
             object.__setattr__(self, "sampler", dataclasses.replace(self.sampler, max_new_tokens=limit))

@@ -134,7 +134,7 @@ def drift_process(cfg: RunConfig, cores: set[int] | None = None) -> tuple[bool, 
     that has no drift process (AdamW, R ranks, a GPU)."""
     rt, learner = cfg.runtime, cfg.learner
     used = has_drift_process(cfg.optim.name, learner.ranks, learner.deepspeed_stage, learner.device, cfg.lora.rank)
-    if not (learner.drift_process and used) or rt.ray_address or not rt.num_samplers:
+    if not (learner.drift_process and used) or rt.ray_address or rt.elastic:
         return learner.drift_process, ""
     if not cores:  # not given, or unknown (no sched_getaffinity)
         cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))

@@ -112,7 +112,7 @@ def run(cfg: RunConfig, run_dir: str, roles: Roles, resume_from: str | None = No
             if ledger.ready() >= ledger.groups_per_step() and may_learn(s):
                 learn(s)
             # 3. wait for whatever finishes next and route it on
-            elastic = not rt.num_samplers
+            elastic = rt.elastic
             if elastic and not poll_pool(s):
                 continue  # no sampler capacity in the cluster yet: waited for a node
             if not s.inflight:
@@ -204,7 +204,7 @@ def joined(s: Loop, done, index: int) -> None:
         ray.get(done)
         s.restarting.pop(index, None)
     except ray.exceptions.ActorUnavailableError:
-        if s.cfg.runtime.num_samplers:
+        if not s.cfg.runtime.elastic:
             waited, limit = time.monotonic() - s.restarting.get(index, time.monotonic()), s.cfg.runtime.sampler_restart_s
             if waited > limit:
                 raise PersistentFailure(f"sampler {index} has been restarting for {waited:.0f} s "
@@ -236,7 +236,7 @@ def on_scored(s: Loop, done, c: Call) -> None:
     try:
         report = ray.get(c.report)
     except _DEAD:
-        if not s.cfg.runtime.num_samplers:  # elastic: its node left, it is not coming back
+        if s.cfg.runtime.elastic:  # its node left, it is not coming back
             s.roles.samplers[c.sampler] = None
         elif s.roles.samplers[c.sampler] is not None:  # fixed pool: Ray restarts it
             rejoin(s, c.sampler)
@@ -282,7 +282,7 @@ def evaluates_after(s: Loop, step: int) -> bool:
 
 def checkpoints_after(s: Loop, step: int) -> bool:
     rt = s.cfg.runtime
-    return bool(rt.checkpoint_every) and step % rt.checkpoint_every == 0 and step < rt.steps
+    return rt.checkpoint_every != "end" and step % rt.checkpoint_every == 0 and step < rt.steps
 
 
 def learn(s: Loop) -> None:

@@ -217,11 +217,11 @@ class LearnerConfig:
     timeout_s: float = 300.0
     """Longest wait of one collective: a rank that stops answering fails the group after this, and
     the driver restores the learner from the latest checkpoint (a dead rank fails it at once)."""
-    activation_mb: int = 1024
+    activation_mb: int | Literal["off"] = 1024
     """Memory (MiB) one forward and backward may hold for activations, by an estimate from the
     model's config: each update's rows are split into micro-batches of whole prompt runs that fit
     (gradients accumulated, loss denominators those of the whole update, so the step is the same),
-    and the output head runs on at most a quarter of it of logits at a time. 0 = never split. The
+    and the output head runs on at most a quarter of it of logits at a time; `off`: never split. The
     embedded model's steps fit in one micro-batch; a 135M model's take ~600 positions each."""
     bf16: bool = False
     """Mixed precision: the forward and backward passes' matmuls in bfloat16 (torch.autocast), the
@@ -236,8 +236,9 @@ class LearnerConfig:
     def __post_init__(self) -> None:
         if self.ranks < 1:
             raise ValueError(f"learner.ranks: expected >= 1, got {self.ranks}")
-        if self.activation_mb < 0:
-            raise ValueError(f"learner.activation_mb: expected >= 0 (0 = never split), got {self.activation_mb}")
+        if self.activation_mb != "off" and self.activation_mb < 1:
+            raise ValueError(f"learner.activation_mb: expected MiB >= 1, or \"off\" (never split), got "
+                             f"{self.activation_mb}")
         if self.deepspeed_stage not in (-1, 0, 1, 2, 3):
             raise ValueError(f"learner.deepspeed_stage: expected -1 (off) or a ZeRO stage 0-3, got {self.deepspeed_stage}")
         if self.timeout_s <= 0:

@@ -36,6 +36,7 @@ import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -85,7 +86,7 @@ class Learner:
                  temperature: float, max_new_tokens: int, threads: int = 1,
                  vp2o: VP2OConfig | None = None, ranks: Ranks | None = None, device: str = "cpu",
                  deepspeed_stage: int = -1, shared_prefix: bool = True, drift_process: bool = False,
-                 activation_mb: int = 0, gradient_checkpointing: bool = False, bf16: bool = False,
+                 activation_mb: int | Literal["off"] = "off", gradient_checkpointing: bool = False, bf16: bool = False,
                  noise: NoiseConfig | None = None, noise_prompts: list[list[int]] | None = None,
                  lora: LoRAConfig | None = None, adapter_versions: bool = False,
                  samplers_measure_noise: bool = False) -> None:
@@ -103,7 +104,9 @@ class Learner:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         plain_head(self.model)  # probed now, before any hook watches a forward
         self.named = trainable_named_parameters(self.model)
-        self.budget, self.checkpointing = activation_mb << 20, gradient_checkpointing  # learner/memory.py
+        # the activation budget in bytes, 0: never split (learner/memory.py)
+        self.budget = 0 if activation_mb == "off" else activation_mb << 20
+        self.checkpointing = gradient_checkpointing
         self.bf16 = bf16  # mixed precision: the steps' matmuls in bfloat16, everything kept in fp32
         self.chunk = head_chunk(self.model.config, self.budget)
         # the KL penalty's reference, chosen once: the starting model, or under LoRA the model with its
@@ -263,7 +266,8 @@ class Learner:
             return torch.arange(len(batch.slot_seeds))
         if updates and self._sync_decision(*_NO_DRIFT, self.steps_since_sync + 1).publish:
             return torch.zeros(0, dtype=torch.long)
-        return drift_sample(list(zip(batch.slot_seeds, batch.slot_scales)), self.sync.drift_rows,
+        return drift_sample(list(zip(batch.slot_seeds, batch.slot_scales)),
+                            None if self.sync.drift_rows == "all" else self.sync.drift_rows,
                             step=self.step_count, seed=self.algo.seed, group_size=batch.rewards.shape[1])
 
     def _logprobs(self, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:

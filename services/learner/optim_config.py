@@ -74,14 +74,15 @@ class SyncConfig:
     max_staleness: int = 4
     """Publish after this many learner steps without a publish (1 = every step): the bound for a
     policy that drifts slowly (the embedded default: most of its publishes)."""
-    drift_rows: int = 8
+    drift_rows: int | Literal["all"] = 8
     """Rollouts the drift diagnostic (κ, η) is measured on each step where it costs a no-grad forward
     of its own (a posterior, IVON: each rollout's slot rebuilt from the start-of-step posterior): a
     seeded sample of one slot's rows, the slot rotating with the step, in pairs of one prompt's
-    rollouts (computed once); 0 = every rollout at its own slot. Without a posterior (AdamW) every
+    rollouts (computed once); `all`: every rollout at its own slot. Without a posterior (AdamW) every
     rollout is measured, from the update's own forward."""
 
     def __post_init__(self) -> None:
-        if self.kappa <= 0 or not 0 < self.eta <= 1 or self.max_staleness < 1 or self.drift_rows < 0:
-            raise ValueError("sync.kappa > 0, sync.eta in (0, 1], sync.max_staleness >= 1 and "
-                             "sync.drift_rows >= 0 expected")
+        if self.kappa <= 0 or not 0 < self.eta <= 1 or self.max_staleness < 1:
+            raise ValueError("sync.kappa > 0, sync.eta in (0, 1] and sync.max_staleness >= 1 expected")
+        if self.drift_rows != "all" and self.drift_rows < 1:
+            raise ValueError(f"sync.drift_rows: expected >= 1, or \"all\" (every rollout), got {self.drift_rows}")

@@ -43,13 +43,13 @@ class StartLogprobs:
         return out
 
 
-def drift_sample(points: list, sample: int, *, step: int, seed: int, group_size: int) -> torch.Tensor:
+def drift_sample(points: list, sample: int | None, *, step: int, seed: int, group_size: int) -> torch.Tensor:
     """Rows on which the drift diagnostic is measured: `sample` rows of one (slot seed, scale) point,
     the point rotating with `step`, in pairs of rows of one group (two rollouts of one prompt, whose
     prompt the shared-prefix forward computes once) from groups drawn at random (seeded by `seed` and
-    `step`), a single row where a group holds one of the point's; `sample` 0: every row. Rows are
+    `step`), a single row where a group holds one of the point's; `sample` None: every row. Rows are
     [B] in groups of `group_size` consecutive rows."""
-    if not sample:
+    if sample is None:
         return torch.arange(len(points))
     distinct = sorted(set(points), key=lambda p: (p[0] is None, p[0] or 0, p[1]))
     chosen = distinct[step % len(distinct)]

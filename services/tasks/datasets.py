@@ -61,7 +61,7 @@ FORMAT_COLUMNS = {
     "mbpp": (("task_id", "code", "test_list"), ("task_id", "text", "prompt", "code", "test_list", "test_setup_code",
                                                "test_imports", "challenge_test_list", "source_file")),
 }
-# sampler.max_new_tokens = 0 on a dataset: room for a worked solution (GSM8K's run to ~300 tokens)
+# sampler.max_new_tokens = "auto" on a dataset: room for a worked solution (GSM8K's run to ~300 tokens)
 MAX_NEW_TOKENS = {"prompt_answer": 512, "gsm8k": 512, "math": 1024, "humaneval": 512, "mbpp": 512}
 _CALLED = re.compile(r"\b([A-Za-z_]\w*)\s*\(")
 _NOT_ENTRY = set(dir(builtins)) | {"assert", "not", "and", "or", "in", "is"}  # MBPP's entry: the first other call

@@ -89,7 +89,7 @@ def generate_items(family: str, split: str, n: int, *, seed: int = 0,
 
 @functools.lru_cache(maxsize=None)
 def max_new_tokens_for(family: str, difficulty: int) -> int:
-    """The generation limit of a task tier (what `sampler.max_new_tokens = 0` resolves to): the
+    """The generation limit of a task tier (what `sampler.max_new_tokens = "auto"` resolves to): the
     longest reference completion over 2,000 train items (one token per character, `CHARSET`) plus
     EOS, plus a quarter for longer valid answers, rounded up to a multiple of 8, at least 16.
     arith: 16 at every level; countdown: 24, 32; code: 32, 48, 64."""

@@ -45,7 +45,7 @@ def test_the_drift_process_runs_only_with_a_core_of_its_own(monkeypatch):
     assert drift_process(load_config(None, ["runtime.sampler_cpus=0.5"]))[0] is False  # half a core is not one
     assert drift_process(load_config(None, ["learner.drift_process=false"])) == (False, "")
     assert drift_process(load_config(None, ["runtime.ray_address=auto"])) == (True, "")  # the cluster's cores
-    assert drift_process(load_config(None, ["runtime.num_samplers=0"])) == (True, "")  # elastic: samplers elsewhere
+    assert drift_process(load_config(None, ["runtime.num_samplers=elastic"])) == (True, "")  # elastic: samplers elsewhere
     assert drift_process(load_config("grpo_baseline", [])) == (True, "")  # AdamW has no drift process: nothing to say
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
     assert drift_process(load_config(None, [])) == (True, "")

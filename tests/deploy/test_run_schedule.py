@@ -32,7 +32,7 @@ def test_no_step_is_queued_past_an_evaluation_or_a_checkpoint():
     assert not may_learn(_loop([50]))  # step 50 is evaluated: the evaluation must see its state
     assert may_learn(_loop([50], evaluator=False))
     assert not may_learn(_loop([60]))  # a checkpoint after step 60 (checkpoint_every = 30)
-    assert may_learn(_loop([60], "runtime.checkpoint_every=0"))
+    assert may_learn(_loop([60], "runtime.checkpoint_every=end"))
     assert may_learn(_loop([200], "runtime.eval_every=7"))  # no checkpoint after the last step (the final one)
 
 

@@ -33,8 +33,8 @@ def test_code_rl_on_a_humaneval_shaped_file(ray_session, tmp_path, tiny_dense_pa
     cfg = load_config(None, [f"model.path={tiny_dense_path}", f"runs_dir={tmp_path}", f"data.path={data}",
                              "data.format=humaneval", "data.heldout_fraction=0", "runtime.steps=2",
                              "runtime.prompts_per_step=2", "algo.group_size=4", "algo.exploration=grpo",
-                             "algo.n_slots=1", "sampler.max_new_tokens=12", "runtime.checkpoint_every=0",
-                             "runtime.eval_every=0", "runtime.sampler_cpus=0.5", "runtime.learner_cpus=0.5",
+                             "algo.n_slots=1", "sampler.max_new_tokens=12", "runtime.checkpoint_every=end",
+                             "runtime.eval_every=off", "runtime.sampler_cpus=0.5", "runtime.learner_cpus=0.5",
                              "runtime.verifier_cpus=0.25"])
     run_dir = make_run_dir(cfg, "train")
     summary = train(cfg, run_dir, tiny_dense_path)

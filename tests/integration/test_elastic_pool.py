@@ -1,5 +1,5 @@
 """The elastic sampler pool on a real multi-node Ray cluster on one machine: `ray start --head` with one
-unit of `threepo_sampler`, `threepo train runtime.ray_address=... runtime.num_samplers=0` joining it;
+unit of `threepo_sampler`, `threepo train runtime.ray_address=... runtime.num_samplers=elastic` joining it;
 a second node offering `threepo_sampler` joins mid-run and its sampler serves; then that node is
 killed, and the run completes with admitted = consumed, every completion id once. (The tiny model
 makes up to ~30 steps a second, so the run is long enough for a node to start.)"""
@@ -14,7 +14,6 @@ import sys
 import time
 
 import pytest
-
 from test_train_ray import SMALL, _exact, _kill_session, _metrics
 
 pytestmark = pytest.mark.ray
@@ -60,7 +59,7 @@ def test_a_sampler_node_joins_and_leaves_mid_run(tmp_path, tiny_dense_path):
                                                  capture_output=True).returncode == 0)
         train = subprocess.Popen(
             [sys.executable, "-m", "threepo.deploy.cli", "train", f"model.path={tiny_dense_path}", f"runs_dir={tmp_path}",
-             *SMALL, "runtime.steps=2400", f"runtime.ray_address={address}", "runtime.num_samplers=0",
+             *SMALL, "runtime.steps=2400", f"runtime.ray_address={address}", "runtime.num_samplers=elastic",
              "runtime.pool_check_s=0.5", "eval.around_training=false", "runtime.max_offpolicy=2"],
             env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "train.err", "w"))  # a pipe would fill and block
         _wait("the run directory", lambda: any(tmp_path.glob("threepo-train-*")))

@@ -198,7 +198,7 @@ def test_deepspeed_zero_steps_like_one_adamw_and_resumes_its_shards(ray_session,
 
 
 SMALL = ["runtime.sampler_cpus=0.5", "runtime.learner_cpus=0.25", "runtime.verifier_cpus=0.25",
-         "runtime.prompts_per_step=2", "runtime.eval_every=0", "algo.group_size=8", "sampler.max_new_tokens=12"]
+         "runtime.prompts_per_step=2", "runtime.eval_every=off", "algo.group_size=8", "sampler.max_new_tokens=12"]
 
 
 def _train_cfg(tmp_path, path, *overrides):

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from threepo.deploy.config import RuntimeConfig
+from threepo.deploy.runtime_config import RuntimeConfig
 
 pytestmark = pytest.mark.ray
 

@@ -26,7 +26,7 @@ def test_two_steps_of_c3po_on_a_gsm8k_file_with_smollm2(tmp_path, smollm2_path):
     overrides = [f"model.path={smollm2_path}", f"data.path={data}", "data.format=gsm8k", f"runs_dir={tmp_path}/runs",
                  "runtime.steps=2", "runtime.prompts_per_step=2", "algo.group_size=4", "algo.n_slots=2",
                  "sampler.max_new_tokens=16", "eval.num_items=3", "eval.samples_per_item=1", "eval.k=1",
-                 "eval.temperature=0", "runtime.eval_every=0", "runtime.checkpoint_every=0", "optim.ess=1e7",
+                 "eval.temperature=0", "runtime.eval_every=off", "runtime.checkpoint_every=end", "optim.ess=1e7",
                  "runtime.sampler_cpus=0.5", "runtime.learner_cpus=1", "runtime.metrics_port=0"]
     result = subprocess.run([threepo, "train", *overrides], capture_output=True, text=True, timeout=900,
                             env={**os.environ, "THREEPO_CACHE": str(tmp_path / "cache")})

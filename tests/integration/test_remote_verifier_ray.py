@@ -51,7 +51,7 @@ def train_code(tmp_path, policy, endpoint, monkeypatch, *extra) -> tuple[int, di
                f"sandbox.auth_env={TOKEN_ENV}", f"verifier.limiter_name=test-limiter-{tmp_path.name}",
                "verifier.cluster_concurrency=4", "sandbox.backoff_base_s=0.05", "sandbox.cooldown_s=0.5",
                "runtime.sampler_cpus=0.5", "runtime.learner_cpus=0.5", "runtime.verifier_cpus=0.25",
-               "runtime.prompts_per_step=2", "runtime.steps=2", "runtime.checkpoint_every=0",
+               "runtime.prompts_per_step=2", "runtime.steps=2", "runtime.checkpoint_every=end",
                "algo.group_size=8", "sampler.max_new_tokens=24", "eval.num_items=4",
                "eval.samples_per_item=2", "eval.k=1", *extra])
     (run_dir,) = list(runs.iterdir())

@@ -27,7 +27,7 @@ from threepo.services.model.modeling import load_model
 pytestmark = pytest.mark.ray
 
 SMALL = ["runtime.sampler_cpus=0.5", "runtime.learner_cpus=0.5", "runtime.verifier_cpus=0.25",
-         "runtime.prompts_per_step=2", "runtime.steps=3", "runtime.checkpoint_every=0", "runtime.eval_every=0",
+         "runtime.prompts_per_step=2", "runtime.steps=3", "runtime.checkpoint_every=end", "runtime.eval_every=off",
          "algo.group_size=8", "sampler.max_new_tokens=12"]
 
 

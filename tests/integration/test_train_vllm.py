@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.skipif(importlib.util.find_spec("vllm
 
 
 SHORT = ["sampler.backend=vllm", "runtime.num_samplers=1", "runtime.sampler_cpus=0.5", "runtime.learner_cpus=0.5",
-         "runtime.verifier_cpus=0.25", "runtime.prompts_per_step=2", "runtime.steps=4", "runtime.checkpoint_every=0",
-         "runtime.eval_every=0", "algo.group_size=8", "algo.n_slots=4", "sync.max_staleness=1",
+         "runtime.verifier_cpus=0.25", "runtime.prompts_per_step=2", "runtime.steps=4", "runtime.checkpoint_every=end",
+         "runtime.eval_every=off", "algo.group_size=8", "algo.n_slots=4", "sync.max_staleness=1",
          "sampler.max_new_tokens=12"]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from threepo.deploy.config import ConfigError, RunConfig, load_config, to_toml
@@ -53,7 +55,8 @@ def test_bad_values_name_the_key(override, message):
     (["sampler.backend=vllm", "runtime.sampler_gpus=1", "sampler.tensor_parallel_size=2"], "does not cover"),
     (["sampler.tensor_parallel_size=2"], "the hf engine runs on one device"),
     (["sampler.batch_invariant=true"], "needs sampler.backend=vllm with runtime.sampler_gpus > 0"),
-    (["runtime.eval_gpus=0.1"], "unless eval.device=cuda"),
+    (["runtime.eval_gpus=0.1"], "only with eval.device=cuda"),
+    (["eval.device=cuda", "runtime.eval_gpus=0"], "needs one then"),
 ])
 def test_contradictory_combinations_are_rejected_at_start(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -125,3 +128,20 @@ def test_a_run_seed_keeps_the_embedded_default_warm_start(tmp_path):
     paths = {checkpoint_dir(c.model, c.task, c.bootstrap) for c in (load_config(None, [f"seed={s}"]) for s in (0, 5))}
     assert len(paths) == 1
     assert checkpoint_dir(*(lambda c: (c.model, c.task, c.bootstrap))(load_config(None, ["bootstrap.seed=5"]))) not in paths
+
+
+@pytest.mark.parametrize("override,word", [
+    ("runtime.checkpoint_every=0", '"end"'), ("runtime.eval_every=0", '"off"'), ("runtime.num_samplers=0", '"elastic"'),
+    ("sampler.max_new_tokens=0", "auto"), ("sync.drift_rows=0", '"all"'), ("learner.activation_mb=0", '"off"'),
+])
+def test_a_zero_that_used_to_mean_something_else_names_the_word_for_it(override, word):
+    with pytest.raises(ConfigError, match=re.escape(word)):
+        load_config(None, [override])
+
+
+def test_the_words_resolve_to_what_they_say():
+    cfg = load_config(None, ["runtime.checkpoint_every=end", "runtime.eval_every=off", "runtime.num_samplers=elastic",
+                             "sync.drift_rows=all", "learner.activation_mb=off"])
+    assert cfg.runtime.elastic and cfg.runtime.fixed_samplers == 0 and not load_config(None, []).runtime.elastic
+    assert cfg.sampler.max_new_tokens == 16  # auto: the embedded task tier's limit
+    assert cfg.runtime.eval_gpus == 0.0 and load_config(None, ["eval.device=cuda"]).runtime.eval_gpus == 1.0

@@ -1,4 +1,4 @@
-"""Generation limits follow the task tier unless set (`sampler.max_new_tokens = 0`)."""
+"""Generation limits follow the task tier unless set (`sampler.max_new_tokens = "auto"`)."""
 
 from __future__ import annotations
 

@@ -449,7 +449,7 @@ def test_a_step_in_micro_batches_equals_the_whole_update(sampler, tiny_dense_pat
                       is_correction=is_correction, entropy_coef=entropy)
     whole, split = (Learner(tiny_dense_path, algo, OptimConfig(name=optim, lr=1e-3 if optim == "adamw" else 10.0),
                             SyncConfig(max_staleness=2), temperature=1.0, max_new_tokens=10, activation_mb=mb)
-                    for mb in (0, 1))
+                    for mb in ("off", 1))
     groups = _groups(sampler, whole, exploration, algo.n_slots, 8)
     batch = collate(*batches_from_groups(groups))
     rows = torch.arange(len(batch.statuses))
@@ -627,7 +627,7 @@ def test_the_drift_sample_takes_one_slots_rollouts_in_pairs_that_share_a_prompt(
         assert all(groups.count(g) == 2 for g in groups)  # 4 prompts, both of the slot's rollouts of each
     assert not torch.equal(drift_sample(points, 8, step=0, seed=0, group_size=8),
                            drift_sample(points, 8, step=4, seed=0, group_size=8))  # groups drawn anew each step
-    assert drift_sample(points, 0, step=0, seed=0, group_size=8).tolist() == list(range(64))
+    assert drift_sample(points, None, step=0, seed=0, group_size=8).tolist() == list(range(64))
 
 
 def test_adamw_measures_the_drift_on_every_rollout_from_its_update_forward(sampler, tiny_dense_path):

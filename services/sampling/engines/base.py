@@ -45,9 +45,9 @@ class SamplerConfig:
     """Nucleus sampling mass (1 = off)."""
     top_k: int = 0
     """Top-k sampling (0 = off)."""
-    max_new_tokens: int = 0
+    max_new_tokens: int | Literal["auto"] = "auto"
     """Longest completion; a completion cut here has finish_reason `length` and scores malformed.
-    0 = resolved by the run config: the task tier's limit (`tasks.max_new_tokens_for`) or, for a
+    `auto`, resolved by the run config: the task tier's limit (`tasks.max_new_tokens_for`) or, for a
     dataset file, its format's (`datasets.MAX_NEW_TOKENS`: 512 for prompt_answer and gsm8k, 1024 for
     math). A run warns when more than 5% of completions end at the limit."""
     threads: int = 1
@@ -96,8 +96,11 @@ class SamplerConfig:
         for name in ("top_k", "max_new_tokens", "threads", "batch_size", "slot_cache_mb",
                      "tensor_parallel_size", "max_model_len"):
             value = getattr(self, name)
-            if value < (0 if name in ("top_k", "max_model_len", "max_new_tokens") else 1):
-                raise ValueError(f"sampler.{name}: expected a positive integer, got {value}")
+            if name == "max_new_tokens" and value == "auto":
+                continue
+            if value < (0 if name in ("top_k", "max_model_len") else 1):
+                auto = " or \"auto\" (the task's or the data format's limit)" if name == "max_new_tokens" else ""
+                raise ValueError(f"sampler.{name}: expected a positive integer{auto}, got {value}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"sampler.gpu_memory_utilization: expected in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
