@@ -10,7 +10,6 @@ the code.
 from __future__ import annotations
 
 import ast
-import dataclasses
 import inspect
 import textwrap
 from functools import cache

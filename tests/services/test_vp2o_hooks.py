@@ -7,9 +7,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from threepo.algorithms.moe import (coactivation_sets, coactivation_stats, expert_orthogonality_loss,
-                                    # noqa: E402                                    expert_outputs,
-                                    routing_diversification_loss)
+from threepo.algorithms.moe import (coactivation_sets, coactivation_stats, expert_orthogonality_loss,  # noqa: E402
+                                    expert_outputs, routing_diversification_loss)
 from threepo.algorithms.svgd import angular_kernel, attract_expert_grads, prototypes, repulsion_energy  # noqa: E402
 from threepo.algorithms.vp2o import prototype_drift_fn  # noqa: E402
 from threepo.services.learner.vp2o import VP2OConfig, VP2OHooks  # noqa: E402
