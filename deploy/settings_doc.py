@@ -35,9 +35,10 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def _comments(section: Any, name: str | None) -> list[str]:
-    """A table's summary line, or a field's meaning, as TOML comments."""
+    """A table's summary (its docstring's first paragraph, as docs/settings.md has it), or a field's
+    meaning, as TOML comments."""
     if name is None:
-        return [f"# {line}".rstrip() for line in (inspect.getdoc(type(section)) or "").splitlines()[:1]]
+        return [f"# {line}".rstrip() for line in (inspect.getdoc(type(section)) or "").split("\n\n")[0].splitlines()]
     return [f"#   {line}".rstrip() for line in field_docs(type(section)).get(name, "").splitlines()]
 
 

@@ -19,8 +19,10 @@ from threepo.services.verifiers.base import BACKOFF_BASE_S, BACKOFF_MAX_S, JITTE
 
 @dataclass(frozen=True)
 class RemoteSandboxConfig:
-    """The remote sandbox service (`[sandbox]`): endpoints, token, limits sent with each run,
-    deadlines, retries, circuit breaker and outage bound."""
+    """The remote sandbox service (`[sandbox]`): where it is and how the client calls it.
+
+    Endpoints, the token's variable, limits sent with each run, deadlines, the client's retries,
+    circuit breaker and outage bound."""
 
     endpoints: tuple[str, ...] = ("http://127.0.0.1:8080",)
     """Base URLs of the service (SandboxFusion API), used round-robin, e.g.
