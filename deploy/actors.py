@@ -177,8 +177,8 @@ class VerifierActor:
             from threepo.deploy.limiter import ClusterLimiter
             from threepo.services.verifiers.remote import RemoteSandboxVerifier
 
-            limiter = (ClusterLimiter(cfg.limiter_name, cfg.cluster_concurrency)
-                       if cfg.cluster_concurrency else None)
+            limiter = (None if cfg.cluster_concurrency == "off"
+                       else ClusterLimiter(cfg.limiter_name, cfg.cluster_concurrency))
             return RemoteSandboxVerifier(config, limiter, token=token)
 
         self.pool = VerifierPool(cfg, sandbox=sandbox, token=token, factories={"remote_sandbox": remote_sandbox},

@@ -34,7 +34,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from threepo.services.metrics import CATALOGUE, Metrics, register_catalogue
 from threepo.services.verifiers.base import (BACKOFF_BASE_S, BACKOFF_MAX_S, INFRA_RETRIES, JITTER, MAX_CONCURRENCY,
@@ -71,9 +71,9 @@ class VerifierConfig:
     """Cap on one of the pool's retry delays."""
     jitter: float = JITTER
     """Fraction of each of the pool's retry delays drawn at random, in [0, 1] (spreads a burst's retries)."""
-    cluster_concurrency: int = 64
-    """Remote sandbox requests in flight over the whole Ray cluster (deploy/limiter.py); 0 = only the
-    per-actor `max_concurrency`."""
+    cluster_concurrency: int | Literal["off"] = 64
+    """Remote sandbox requests in flight over the whole Ray cluster (deploy/limiter.py); `off`: no
+    cluster-wide cap, only the per-actor `max_concurrency`."""
     limiter_name: str = "threepo-sandbox-limiter"
     """Name of the cluster-wide limiter; runs sharing a name share its permits (the first run to
     create it fixes the capacity)."""
@@ -89,8 +89,9 @@ class VerifierConfig:
             raise ValueError(f"verifier.max_concurrency: expected >= 1, got {self.max_concurrency}")
         if self.infra_retries < 0:
             raise ValueError(f"verifier.infra_retries: expected >= 0, got {self.infra_retries}")
-        if self.cluster_concurrency < 0:
-            raise ValueError(f"verifier.cluster_concurrency: expected >= 0, got {self.cluster_concurrency}")
+        if self.cluster_concurrency != "off" and self.cluster_concurrency < 1:
+            raise ValueError(f"verifier.cluster_concurrency: expected >= 1, or \"off\" (no cluster-wide cap), "
+                             f"got {self.cluster_concurrency}")
         if self.backoff_base_s < 0 or self.backoff_max_s < self.backoff_base_s:
             raise ValueError("verifier.backoff_base_s/backoff_max_s: expected 0 <= base <= max, got "
                              f"{self.backoff_base_s}, {self.backoff_max_s}")

@@ -30,7 +30,7 @@ def test_ray_get_raises_verifier_outage_and_the_actor_lives_on(ray_session):
     with socket.socket() as s:  # a port nobody listens on: every request is refused
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    cfg = VerifierConfig(route=(("code_output", "remote_sandbox"),), cluster_concurrency=0)
+    cfg = VerifierConfig(route=(("code_output", "remote_sandbox"),), cluster_concurrency="off")
     sandbox = RemoteSandboxConfig(endpoints=(dead,), outage_s=1.0, cooldown_s=0.2, backoff_base_s=0.05, backoff_max_s=0.2)
     actor = ray.remote(VerifierActor).options(num_cpus=0, max_restarts=-1, max_task_retries=-1,
                                               max_concurrency=1).remote(cfg, sandbox)

@@ -75,8 +75,8 @@ class SamplerConfig:
     """vllm/sglang: GPUs one engine shards its model over (each worker perturbs its own shard)."""
     enforce_eager: bool = True
     """vllm: run eagerly (no torch.compile / CUDA graphs): starts in ~30 s instead of 50–100 s."""
-    max_model_len: int = 0
-    """vllm/sglang: longest prompt + completion (0 = the model's max_position_embeddings)."""
+    max_model_len: int | Literal["auto"] = "auto"
+    """vllm/sglang: longest prompt + completion (`auto`: the model's max_position_embeddings)."""
     min_noise_ratio: float = 0.5
     """Warn (once per version) when the served-noise ratio ‖θ̂_served − m_served‖ / ‖σ ⊙ z‖ falls
     below this: most of the exploration noise rounds away in the served dtype (serve fp32)."""
@@ -96,10 +96,11 @@ class SamplerConfig:
         for name in ("top_k", "max_new_tokens", "threads", "batch_size", "slot_cache_mb",
                      "tensor_parallel_size", "max_model_len"):
             value = getattr(self, name)
-            if name == "max_new_tokens" and value == "auto":
+            if name in ("max_new_tokens", "max_model_len") and value == "auto":
                 continue
-            if value < (0 if name in ("top_k", "max_model_len") else 1):
-                auto = " or \"auto\" (the task's or the data format's limit)" if name == "max_new_tokens" else ""
+            if value < (0 if name == "top_k" else 1):
+                auto = {"max_new_tokens": " or \"auto\" (the task's or the data format's limit)",
+                        "max_model_len": " or \"auto\" (the model's)"}.get(name, "")
                 raise ValueError(f"sampler.{name}: expected a positive integer{auto}, got {value}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"sampler.gpu_memory_utilization: expected in (0, 1], got "

@@ -105,7 +105,7 @@ class SGLangEngine:
         self.engine = engine_factory(
             model_path=model_path, dtype=dtype if cfg.dtype == "auto" else cfg.dtype, tp_size=cfg.tensor_parallel_size,
             mem_fraction_static=cfg.gpu_memory_utilization, random_seed=cfg.seed,
-            max_running_requests=cfg.batch_size, context_length=cfg.max_model_len or None,
+            max_running_requests=cfg.batch_size, context_length=None if cfg.max_model_len == "auto" else cfg.max_model_len,
             custom_weight_loader=list(LOADERS.values()), enable_deterministic_inference=True,
             **({} if adapters is None else dict(  # a slot's adapter, and base-only requests, in one batch
                 enable_lora=True, max_lora_rank=adapters[0], lora_target_modules=["all"],

@@ -89,7 +89,7 @@ class VLLMEngine:
                        logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
                        gpu_memory_utilization=cfg.gpu_memory_utilization,
                        tensor_parallel_size=cfg.tensor_parallel_size, max_num_seqs=cfg.batch_size,
-                       max_model_len=cfg.max_model_len or None, enable_prefix_caching=True, **lora)
+                       max_model_len=None if cfg.max_model_len == "auto" else cfg.max_model_len, enable_prefix_caching=True, **lora)
         self.adapters = adapters
         self._lora: LoRAVersion | None = None  # the held LoRA version (load_version with lora)
         if adapters is not None:  # the base is never reloaded: its fingerprint as loaded is the check
