@@ -21,6 +21,7 @@ what rank (param_noise.low_rank_noise). Importing this module imports no torch (
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -80,21 +81,21 @@ class NoiseConfig:
     layers: tuple[int, int] = (0, -1)
     """First and last decoder layer whose weights are perturbed, inclusive; negative counts from the
     end (-1 = the last layer)."""
-    target_kl: float = 0.01
+    target_kl: float | Literal["off"] = 0.01
     """The per-token KL(π_θ̂ ‖ π_m) in nats that served slots are held at (algorithms/noise_scale.py):
     each version serves θ̂ = m + c · σ ⊙ z with IVON's σ as the noise's shape and the scale c set from
     the KL the served slots measured on their own rollouts (by the samplers on the hf engine; by the
     learner on a probe of the latest rollouts for vllm and sglang: services/learner/noise_control.py).
-    0 = no control (c = 1: σ as IVON learned it)."""
-    gate: float = 4.0
+    `off`: no control (c = 1: σ as IVON learned it)."""
+    gate: float | Literal["off"] = 4.0
     """A slot whose measured KL exceeds gate × target_kl is redrawn (a new seed, up to 3 times; the
     closest draw is kept if none passes): by the sampler serving it, on its first rollouts, before they
-    are used (hf), or by the learner before publishing (vllm, sglang). 0 = no gate; without a target
-    (target_kl = 0) there is none."""
-    rank: int = 0
+    are used (hf), or by the learner before publishing (vllm, sglang). `off`: no gate; without a
+    target (target_kl = "off") there is none."""
+    rank: int | Literal["full"] = "full"
     """Rank r of each served slot's noise per matrix: z = Σ_k u_k v_kᵀ / sqrt(r), the same variance per
     element as full noise from (rows + cols) · r draws (algorithms/param_noise.py `low_rank_noise`);
-    1-D tensors keep full noise. 0 = full noise. IVON's own training samples are always full."""
+    1-D tensors keep full noise. `full`: full noise. IVON's own training samples are always full."""
     probe_rows: int = 4
     """Rollouts each slot's KL is measured on, over their first 64 tokens: on the hf engine, the first
     rollouts of each slot a sampler serves in a version, its own, probe_rows × 64 tokens' worth (more
@@ -104,18 +105,34 @@ class NoiseConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
-        if not self.target_kl >= 0:
-            raise ValueError(f"noise.target_kl: expected >= 0 (nats per token; 0 = no control), got {self.target_kl}")
-        if not self.gate == 0 and not self.gate > 1:
-            raise ValueError(f"noise.gate: expected 0 (off) or > 1 (a multiple of noise.target_kl), got {self.gate}")
-        if not isinstance(self.rank, int) or self.rank < 0:
-            raise ValueError(f"noise.rank: expected an integer >= 0 (0 = full noise), got {self.rank!r}")
+        if self.target_kl != "off" and not self.target_kl > 0:
+            raise ValueError(f"noise.target_kl: expected > 0 nats per token, or \"off\" (no control: σ as IVON "
+                             f"learned it), got {self.target_kl}")
+        if self.gate != "off" and not self.gate > 1:
+            raise ValueError(f"noise.gate: expected > 1 (a multiple of noise.target_kl), or \"off\", got {self.gate}")
+        if self.rank != "full" and (not isinstance(self.rank, int) or self.rank < 1):
+            raise ValueError(f"noise.rank: expected an integer >= 1, or \"full\" (full noise), got {self.rank!r}")
         if not isinstance(self.probe_rows, int) or self.probe_rows < 1:
             raise ValueError(f"noise.probe_rows: expected an integer >= 1, got {self.probe_rows!r}")
         if self.modules not in NOISE_MODULES:
             raise ValueError(f"noise.modules: expected one of {NOISE_MODULES}, got {self.modules!r}")
         if len(self.layers) != 2 or not all(isinstance(i, int) for i in self.layers):
             raise ValueError(f"noise.layers: expected [first, last] (integers, -1 = the last layer), got {list(self.layers)}")
+
+    @property
+    def controlled(self) -> bool:
+        """Is the served slots' KL held at a target (`target_kl` not `off`)?"""
+        return self.target_kl != "off"
+
+    @property
+    def gate_kl(self) -> float:
+        """The per-token KL over which a slot is redrawn: gate × target_kl (inf when either is off)."""
+        return self.gate * self.target_kl if self.gate != "off" and self.controlled else math.inf
+
+    @property
+    def slot_rank(self) -> int:
+        """z's rank per matrix in a served slot as the engines and messages carry it (0: full noise)."""
+        return 0 if self.rank == "full" else self.rank
 
 
 class MaskedSigma(Mapping):

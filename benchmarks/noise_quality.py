@@ -219,6 +219,8 @@ class Bench:
 
 
 def run_model(name: str, args) -> list[dict]:
+    from threepo.algorithms.noise_mask import NoiseConfig
+
     setup = model_setup(name, args)
     bench, rows = Bench(setup, args), []
     print(f"{name}: {len(bench.items)} prompts x {bench.samples} samples, {bench.tokens} tokens, T {bench.temperature}")
@@ -233,12 +235,12 @@ def run_model(name: str, args) -> list[dict]:
                      **bench.score(bench.sample_temperature(t))})
         print(rows[-1])
         for arm, spec in ARMS.items():
-            rank = args.rank if arm == "lowrank" else 0
+            rank = args.rank if arm == "lowrank" else "full"
             slots, latest, noised = bench.noise_slots({**spec, "rank": rank}, level, scales[arm], li)
             scales[arm] = latest["noise_scale"]
             rows.append({"model": name, "arm": arm, "level": level, "kl": latest["noise_kl"], "knob": scales[arm],
                          "kl_served_max": latest["noise_kl_served_max"], "redraws": latest["noise_redraws"],
-                         **bench.score(bench.sample_noise(slots, noised, rank))})
+                         **bench.score(bench.sample_noise(slots, noised, NoiseConfig(rank=rank).slot_rank))})
             print(rows[-1])
         print(f"{name}: level {level} in {time.perf_counter() - started:.0f} s")
     bench.close()

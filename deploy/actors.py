@@ -289,9 +289,9 @@ def start_sampler(cfg: RunConfig, policy_path: str, run_dir: str, index: int):
 
 def samplers_measure_noise(cfg: RunConfig) -> bool:
     """Does the noise control measure each slot's KL on the samplers (services/sampling/sampler.py)? Where slots
-    serve noise under the control (an IVON posterior, a 3PO exploration, noise.target_kl > 0) on the hf
+    serve noise under the control (an IVON posterior, a 3PO exploration, a noise.target_kl) on the hf
     engine; vLLM and SGLang hand out no full next-token distributions, so for them the learner measures."""
-    return (cfg.sampler.backend == "hf" and cfg.noise.target_kl > 0 and cfg.optim.name == "ivon"
+    return (cfg.sampler.backend == "hf" and cfg.noise.controlled and cfg.optim.name == "ivon"
             and cfg.algo.exploration != "grpo")
 
 

@@ -25,7 +25,7 @@ def ivon_lora_learner(path: str, lora, nudge_seed: int | None = None):
 
     learner = Learner(path, AlgoConfig(exploration="c3po", n_slots=2, group_size=8),
                       OptimConfig(name="ivon", lr=1.0, ess=1e4, hess_init=0.1), SyncConfig(max_staleness=1),
-                      temperature=1.0, max_new_tokens=10, lora=lora, noise=NoiseConfig(target_kl=0.0))
+                      temperature=1.0, max_new_tokens=10, lora=lora, noise=NoiseConfig(target_kl="off"))
     if nudge_seed is not None:
         nudge_adapters(learner.model, nudge_seed)
         with torch.no_grad():

@@ -115,7 +115,7 @@ class Learner:
         self.reference = (lambda: adapters_off(self.model)) if self.lora.rank else (lambda: nullcontext(self.ref_model))
         # the drift forwards at slot weights in a process beside the update (config.has_drift_process)
         noise = noise or NoiseConfig()
-        self.drift_process = (DriftProcess(model_path, self.named, temperature, self.chunk, bf16, noise.rank) if drift_process and
+        self.drift_process = (DriftProcess(model_path, self.named, temperature, self.chunk, bf16, noise.slot_rank) if drift_process and
                        has_drift_process(optim.name, self.ranks.world, deepspeed_stage, self.device.type, self.lora.rank) else None)
         self.optimizer = make_optimizer(self.model, self.named, optim, self.ranks, deepspeed_stage, noise, self.lora,
                                         adapter_versions)

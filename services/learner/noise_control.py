@@ -137,7 +137,7 @@ class NoiseControl:
             self.freshest = max(version for version, _, _ in self.served)
             newest = [(scale, kl / n, redrawn) for (version, _, scale), (kl, n, redrawn) in self.served.items()
                       if version == self.freshest and n]
-            if self.cfg.target_kl:
+            if self.cfg.controlled:
                 self.scale = min(feedback_scale(self.scale, [(c, k) for c, k, _ in newest], self.cfg.target_kl,
                                                 gain=_FEEDBACK_GAIN), _MAX_SCALE)
             kls = [k for _, k, _ in newest]
@@ -150,7 +150,7 @@ class NoiseControl:
     def _probed(self, model, optimizer, step: int, mean: list[torch.Tensor]) -> list[tuple[int, float]]:
         """Each slot measured on the probe, redrawn by the gate; the next version's scale from the first draws."""
         firsts, slots, redraws, served = [], [], 0, []
-        bound = self.cfg.gate * self.cfg.target_kl if self.cfg.gate and self.cfg.target_kl else math.inf
+        bound = self.cfg.gate_kl
         for i in range(self.n_slots):
             tried = []
             for draw in range(_REDRAWS + 1 if bound < math.inf else 1):
@@ -166,7 +166,7 @@ class NoiseControl:
         measured = statistics.median(firsts)
         self.latest = {"noise_scale": self.scale, "noise_kl": measured, "noise_kl_served_max": max(served),
                        "noise_redraws": float(redraws)}
-        if self.cfg.target_kl:
+        if self.cfg.controlled:
             self.scale = min(next_noise_scale(self.scale, measured, self.cfg.target_kl, gain=_GAIN), _MAX_SCALE)
         return slots
 
@@ -175,7 +175,7 @@ class NoiseControl:
         once a scale below and one above the target are known, bisect between them in log c (a real
         policy's KL grows faster than c² past a point, where the quadratic step overshoots)."""
         self.calibrated = True
-        if not self.cfg.target_kl:
+        if not self.cfg.controlled:
             return
         below, above = 0.0, math.inf
         for _ in range(_CALIBRATION):
@@ -237,7 +237,7 @@ def _prompt_probe(prompts: list[list[int]], device: torch.device):
 
 class FixedNoise:
     """No control: the posterior server draws the seeds of its plan and serves σ as IVON learned it
-    (noise.target_kl = 0), or there is no noise to control (grpo, AdamW)."""
+    (noise.target_kl = "off"), or there is no noise to control (grpo, AdamW)."""
 
     latest: dict = {}
 
@@ -258,9 +258,9 @@ def make_noise_control(cfg: NoiseConfig, *, serves_noise: bool, n_slots: int, ba
                        prompts: list[list[int]] | None = None, device: torch.device | str = "cpu",
                        measured_by_samplers: bool = False):
     """`NoiseControl` where slots serve noise (`serves_noise`: a posterior and a 3PO exploration) and
-    noise.target_kl > 0, fed by the samplers' measurements where `measured_by_samplers`; `FixedNoise`
+    a noise.target_kl, fed by the samplers' measurements where `measured_by_samplers`; `FixedNoise`
     otherwise."""
-    if serves_noise and cfg.target_kl:
+    if serves_noise and cfg.controlled:
         return NoiseControl(cfg, n_slots=n_slots, base_seed=base_seed, temperature=temperature, prompts=prompts,
                             device=device, measured_by_samplers=measured_by_samplers)
     return FixedNoise()

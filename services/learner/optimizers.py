@@ -79,7 +79,7 @@ class IVONPosterior:
     def __init__(self, named: list, optim: OptimConfig, ranks, noise: NoiseConfig = NoiseConfig()) -> None:
         self.named, self.ranks = named, ranks
         self.noised = noised_names([n for n, _ in named], noise.modules, noise.layers)  # what slots perturb
-        self.noise_rank = noise.rank  # z's rank per matrix in a served slot (0: full)
+        self.noise_rank = noise.slot_rank  # z's rank per matrix in a served slot (0: full)
         if not self.noised:
             raise ValueError(f"noise.modules={noise.modules}, noise.layers={list(noise.layers)}: no parameter of this "
                              "model matches, so no slot would be perturbed; widen noise.layers or set "

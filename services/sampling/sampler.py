@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -296,9 +297,9 @@ class Sampler:
         within it, the closest kept. The bound is gate × target × (c / c_version)² (a re-admission's
         multiplier asks for that much more); a slot the version did not publish is not gated."""
         published = self._published.get(noise.seed)
-        if not (self.noise.gate and self.noise.target_kl and published):
+        if self.noise.gate_kl == math.inf or not published:
             return noise, requests, result, kls, 0
-        bound = self.noise.gate * self.noise.target_kl * (noise.scale / published) ** 2
+        bound = self.noise.gate_kl * (noise.scale / published) ** 2
         tried = [(_mean_kl(kls), 0, noise, requests, result, kls)]
         for draw in range(1, GATE_REDRAWS + 1):
             if tried[-1][0] <= bound:

@@ -280,7 +280,7 @@ def test_dead_group_aware_exploration_and_dynamic_filter_keep_records_exact(ray_
     # noise control every version's slots have c = 1, so a re-admitted slot's c is 2 exactly (with it,
     # 2 × the version's c: ExplorationPlan.scaled multiplies, tests/algorithms/test_exploration.py)
     cfg = _cfg(tmp_path, tiny_dense_path, "runtime.steps=4", "algo.readmit_fraction=0.5", "algo.dead_group_scale=2.0",
-               "algo.dynamic_filter=true", "algo.filter_replacements=0.5", "noise.target_kl=0")
+               "algo.dynamic_filter=true", "algo.filter_replacements=0.5", "noise.target_kl=off")
     run_dir = make_run_dir(cfg, "train")
     summary = train(cfg, run_dir, tiny_dense_path)
     from threepo.services.wire.batching import logged_groups

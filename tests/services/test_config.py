@@ -29,9 +29,11 @@ def test_defaults_and_overrides():
     ("noise.modules=embeddings", "noise.modules: expected one of"),
     ("noise.layers=[1]", "noise.layers: expected [first, last]"),
     ("noise.layers=[0.5, 1]", "noise.layers[0]: expected int"),
-    ("noise.target_kl=-0.1", "noise.target_kl: expected >= 0"),
-    ("noise.gate=1", "noise.gate: expected 0 .off. or > 1"),
-    ("noise.rank=-1", "noise.rank: expected an integer >= 0"),
+    ("noise.target_kl=-0.1", "noise.target_kl: expected > 0 nats per token, or \"off\""),
+    ("noise.target_kl=0", "noise.target_kl: expected > 0 nats per token, or \"off\""),
+    ("noise.gate=0", "noise.gate: expected > 1"),
+    ("noise.gate=1", "noise.gate: expected > 1"),
+    ("noise.rank=0", "noise.rank: expected an integer >= 1, or \"full\""),
     ("noise.probe_rows=0", "noise.probe_rows: expected an integer >= 1"),
 ])
 def test_bad_values_name_the_key(override, message):
