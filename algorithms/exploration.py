@@ -9,7 +9,7 @@ None is the clean mean (σ = 0). For one prompt, every slot produces `rollouts_p
 
 | kind | slots | rollouts per slot | groups per prompt × group size | gradient at (each learner update) |
 |------|-------|-------------------|--------------------------------|-----------------------------------|
-| grpo | 1, seed None | G | 1 × G | m (no posterior); a fresh θ̂′ with IVON |
+| none | 1, seed None | G | 1 × G | m (no posterior); a fresh θ̂′ with IVON |
 | b3po | 1 seeded | G | 1 × G | a fresh θ̂′ |
 | m3po | M seeded | G/M (equal compute) or G | M × (G/M) or M × G, a group per slot | a fresh θ̂′_k per slot group (K = M samples) |
 | c3po | N seeded | G/N | 1 × G shared by all slots | a fresh θ̂′ |
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from threepo.algorithms.param_noise import tensor_seed
 
-KINDS = ("grpo", "b3po", "m3po", "c3po")
+KINDS = ("none", "b3po", "m3po", "c3po")
 
 
 @dataclass(frozen=True)
@@ -74,8 +74,8 @@ class ExplorationPlan:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if not self.slots or tuple(s.index for s in self.slots) != tuple(range(len(self.slots))):
             raise ValueError(f"slots must be indexed 0..n-1, got {[s.index for s in self.slots]}")
-        if any((s.seed is None) != (self.kind == "grpo") for s in self.slots):
-            need = "seed None (σ = 0)" if self.kind == "grpo" else "a seed"
+        if any((s.seed is None) != (self.kind == "none") for s in self.slots):
+            need = "seed None (σ = 0)" if self.kind == "none" else "a seed"
             raise ValueError(f"every slot of {self.kind} must have {need}, got {self.slots}")
         if any(not s.scale > 0 or (s.seed is None and s.scale != 1.0) for s in self.slots):
             raise ValueError(f"slot scales must be > 0, and 1 for the mean (seed None), got {self.slots}")
@@ -97,9 +97,9 @@ class ExplorationPlan:
         grouping and gradient point. Dead-group-aware exploration serves a re-admitted prompt from it
         (c > 1 where every rollout failed, c < 1 where every rollout passed); the rollouts report
         behaviour log-probs of what was served, and whoever rebuilds a slot uses the same c.
-        Raises ValueError for grpo (σ = 0: there is no noise to scale) unless scale is 1."""
-        if scale != 1.0 and self.kind == "grpo":
-            raise ValueError(f"scale={scale}: grpo serves the mean (σ = 0), there is no noise to scale")
+        Raises ValueError for none (σ = 0: there is no noise to scale) unless scale is 1."""
+        if scale != 1.0 and self.kind == "none":
+            raise ValueError(f"scale={scale}: exploration none serves the mean (σ = 0), there is no noise to scale")
         return dataclasses.replace(self, slots=tuple(Slot(s.index, s.seed, s.scale * scale if s.seed is not None else 1.0)
                                                       for s in self.slots))
 
@@ -155,7 +155,7 @@ def gradient_points(kind: str, *, variational: bool, base_seed: int, step: int, 
     `slots[i]` is the slot index of the update's i-th rollout. Returns (seed, positions) pairs, one
     per Monte-Carlo sample of the update: seed None is the mean m (only without a posterior,
     `variational=False`, i.e. GRPO with AdamW); otherwise `update_seed(base_seed, step, update, k)`
-    with k = 0 for one sample on all rollouts (grpo, b3po, c3po) and k = the slot index for M3PO,
+    with k = 0 for one sample on all rollouts (none, b3po, c3po) and k = the slot index for M3PO,
     one sample per slot group (its groups are one slot each). Raises ValueError for a 3PO kind
     without a posterior.
     """
@@ -163,7 +163,7 @@ def gradient_points(kind: str, *, variational: bool, base_seed: int, step: int, 
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     everything = list(range(len(slots)))
     if not variational:
-        if kind != "grpo":
+        if kind != "none":
             raise ValueError(f"{kind} samples from a posterior: variational must be true")
         return [(None, everything)]
     if kind != "m3po":
@@ -176,7 +176,7 @@ def make_plan(kind: str, *, version: int, base_seed: int, group_size: int, n_slo
               equal_compute: bool = True) -> ExplorationPlan:
     """The plan of posterior version `version` for one 3PO variant or GRPO (§2.2, §2.3, §2.5).
 
-    `group_size` is G, the effective rollouts per prompt; `n_slots` is 1 for grpo/b3po, M for
+    `group_size` is G, the effective rollouts per prompt; `n_slots` is 1 for none/b3po, M for
     m3po, N for c3po. `equal_compute=False` is M3PO's unconstrained mode (G rollouts per slot).
     Raises ValueError naming the offending argument.
     """
@@ -188,13 +188,13 @@ def make_plan(kind: str, *, version: int, base_seed: int, group_size: int, n_slo
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if n_slots < 1:
         raise ValueError(f"n_slots must be >= 1, got {n_slots}")
-    if kind in ("grpo", "b3po") and n_slots != 1:
+    if kind in ("none", "b3po") and n_slots != 1:
         raise ValueError(f"n_slots must be 1 for {kind}, got {n_slots}")
     if not equal_compute and kind != "m3po":
         raise ValueError(f"equal_compute=False applies to m3po only, got kind={kind!r}")
     if equal_compute and group_size % n_slots:
         raise ValueError(f"group_size={group_size} must be divisible by n_slots={n_slots} for {kind}")
-    seeds = [None] if kind == "grpo" else [plan_seed(base_seed, version, f"slot{i}") for i in range(n_slots)]
+    seeds = [None] if kind == "none" else [plan_seed(base_seed, version, f"slot{i}") for i in range(n_slots)]
     slots = tuple(Slot(i, s) for i, s in enumerate(seeds))
     per_slot = group_size // n_slots if equal_compute else group_size
     groups = n_slots if kind == "m3po" else 1

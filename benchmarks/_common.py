@@ -289,7 +289,7 @@ def posterior_arrays(model: str, cfg) -> tuple[dict, dict | None]:
     from threepo.services.model.modeling import load_model, trainable_named_parameters
 
     mean = {n: p.detach().float().numpy().copy() for n, p in trainable_named_parameters(load_model(model))}
-    if cfg.algo.exploration == "grpo":
+    if cfg.algo.exploration == "none":
         return mean, None
     value = 1.0 / np.sqrt(cfg.optim.ess * (cfg.optim.hess_init + cfg.optim.weight_decay))
     return mean, {n: np.full_like(a, value) for n, a in mean.items()}

@@ -4,7 +4,7 @@ wall at equal rollouts at most 1.05x).
 
 Three runs on the same configuration, G and prompts per step:
 - c3po: N=4 slots sharing one group of G, gradient at a fresh posterior sample (the default);
-- grpo + ivon: algo.exploration=grpo algo.n_slots=1 with the same optimizer, so only the
+- grpo + ivon: algo.exploration=none algo.n_slots=1 with the same optimizer, so only the
   exploration differs (one clean policy, no noise to regenerate per slot);
 - grpo_baseline: the usual GRPO baseline, `--config grpo_baseline` (AdamW, lr 1e-4).
 For each: the learner step time (step_time_s, mean) and the end-to-end wall time per step, both over
@@ -21,7 +21,7 @@ import _common
 
 VARIANTS = {  # name -> (recipe, overrides)
     "c3po": (None, ["algo.exploration=c3po", "algo.n_slots=4", "optim.name=ivon"]),
-    "grpo+ivon": (None, ["algo.exploration=grpo", "algo.n_slots=1", "optim.name=ivon"]),
+    "grpo+ivon": (None, ["algo.exploration=none", "algo.n_slots=1", "optim.name=ivon"]),
     "grpo_baseline": ("grpo_baseline", []),
 }
 

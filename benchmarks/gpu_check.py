@@ -158,7 +158,7 @@ def part_learner(path: str, device: str, tokens: int) -> dict:
     engine = HFEngine(path, SamplerConfig(device=device, dtype="bfloat16", batch_size=128, seed=0))
     result = {}
     for name, exploration, slots, optim in (("c3po", "c3po", 4, OptimConfig()),
-                                            ("grpo", "grpo", 1, OptimConfig(name="adamw", lr=1e-6))):
+                                            ("grpo", "none", 1, OptimConfig(name="adamw", lr=1e-6))):
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         learner = Learner(path, AlgoConfig(exploration=exploration, n_slots=slots, group_size=16), optim,

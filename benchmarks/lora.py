@@ -51,7 +51,7 @@ def one_arm(model: str, overrides: list[str], arm: tuple, steps: int, bf16: bool
     torch.set_num_threads(1)
     optim, rank = arm
     lr = ["optim.lr=1e-4"] if optim == "adamw" else []  # [optim] lr's default (10) is IVON's; AdamW diverges at it
-    cfg = _common.config(model, [f"optim.name={optim}", *lr, "algo.exploration=grpo", "algo.n_slots=1", *overrides])
+    cfg = _common.config(model, [f"optim.name={optim}", *lr, "algo.exploration=none", "algo.n_slots=1", *overrides])
     inputs = step_inputs(model, cfg)
     learner = Learner(model, cfg.algo, cfg.optim, cfg.sync, temperature=cfg.sampler.temperature,
                       max_new_tokens=cfg.sampler.max_new_tokens, bf16=bf16, lora=LoRAConfig(rank=rank))

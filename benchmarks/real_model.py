@@ -68,7 +68,7 @@ _IVON_REAL = ["optim.ess=1e7", "optim.lr=1000", "optim.clip_radius=2e-7", "optim
 REAL_ARMS = {"grpo": ["optim.lr=2e-5"],
              "c3po": _IVON_REAL,
              # GRPO on C3PO's optimizer with no parameter noise (the mean served): what isolates the noise
-             "grpo_ivon": ["algo.exploration=grpo", "algo.n_slots=1", *_IVON_REAL],
+             "grpo_ivon": ["algo.exploration=none", "algo.n_slots=1", *_IVON_REAL],
              "grpo_lora": ["optim.lr=2e-4"],
              "c3po_lora": ["optim.ess=1e7", "optim.lr=1000", "optim.clip_radius=2e-6", "optim.weight_decay=1e-8"]}
 

@@ -292,7 +292,7 @@ def samplers_measure_noise(cfg: RunConfig) -> bool:
     serve noise under the control (an IVON posterior, a 3PO exploration, a noise.target_kl) on the hf
     engine; vLLM and SGLang hand out no full next-token distributions, so for them the learner measures."""
     return (cfg.sampler.backend == "hf" and cfg.noise.controlled and cfg.optim.name == "ivon"
-            and cfg.algo.exploration != "grpo")
+            and cfg.algo.exploration != "none")
 
 
 def start_stateful(roles: Roles, cfg: RunConfig, policy_path: str, run_dir: str, checkpoint: str | None,

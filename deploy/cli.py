@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="threepo",
         description="Asynchronous RL with verifiable rewards, exploring in parameter space.",
-        epilog="Overrides look like sampler.temperature=0.7 or algo.exploration=grpo; "
+        epilog="Overrides look like sampler.temperature=0.7 or algo.exploration=none; "
                "see README.md (Configuration) for every knob.",
     )
     sub = parser.add_subparsers(dest="command", required=True)

@@ -131,6 +131,9 @@ class ConfigError(UserInputError):
 
 # the sections whose own `seed` follows the run's `seed` unless given (RunConfig.seed says which not)
 ROLE_SEEDS = ("task", "sampler", "algo", "vp2o", "verifier", "sandbox")
+# values that were renamed, (key, old value) -> the new value and why
+RENAMED_VALUES = {("algo.exploration", "grpo"): '"none" (no parameter-space exploration: rollouts at the mean; '
+                                                 '"grpo" names the advantage, algo.advantage)'}
 # settings that moved, old key -> new: a recipe or a run directory from before names them
 MOVED = {f"verifier.{name}": f"sandbox.{name}" for name in (
     "endpoints", "auth_env", "auth_header", "compile_timeout_s", "run_timeout_s", "memory_limit_mb",
@@ -201,6 +204,8 @@ def build(cls: type, tree: dict[str, Any], prefix: str) -> Any:
 def _check_type(key: str, value: Any, kind: Any) -> Any:
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin is Literal:
+        if (key, value) in RENAMED_VALUES:
+            raise ConfigError(f"{key}={value}: renamed {RENAMED_VALUES[key, value]}")
         if value not in args:
             raise ConfigError(f"{key}: expected one of {list(args)}, got {value!r}")
         return value

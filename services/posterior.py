@@ -38,7 +38,7 @@ class PosteriorConfig:
     run has no `[posterior]` section). `make_plan` checks the combination at each publish."""
 
     kind: str
-    """algo.exploration: "grpo", "b3po", "m3po" or "c3po" (algorithms/exploration.py)."""
+    """algo.exploration: "none", "b3po", "m3po" or "c3po" (algorithms/exploration.py)."""
     group_size: int
     """algo.group_size: G, rollouts per advantage group."""
     n_slots: int
@@ -122,9 +122,9 @@ class PosteriorServer:
                          n_slots=cfg.n_slots, equal_compute=cfg.equal_compute)
         if pv.slots is not None:  # the learner's noise control chose the seeds and the σ scale
             plan = plan.with_slots(pv.slots)
-        if sigma is None and cfg.kind != "grpo":
+        if sigma is None and cfg.kind != "none":
             raise ValueError(f"version {version}: sigma is None, but the {cfg.kind} plan has seeded "
-                             "slots (publish σ, or use kind='grpo')")
+                             "slots (publish σ, or use kind='none')")
         self._versions[version] = _Version(mean, sigma, plan, pv.learner_step, pv.reason, pv.mean_checksum,
                                            pv.noise_rank, None if pv.lora is None else tuple(pv.lora))
         self._refs[version] = self._refs.get(version, 0) + int(hold)

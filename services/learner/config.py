@@ -18,18 +18,18 @@ from threepo.services.learner.optim_config import OptimConfig
 class AlgoConfig:
     """What is optimised. Any exploration composes with any advantage, correction and loss."""
 
-    exploration: Literal["grpo", "b3po", "m3po", "c3po"] = "c3po"
-    """Parameter-space exploration (algorithms.md §2): grpo = rollouts at the mean (σ = 0); b3po =
+    exploration: Literal["none", "b3po", "m3po", "c3po"] = "c3po"
+    """Parameter-space exploration (algorithms.md §2): none = rollouts at the mean (σ = 0: plain GRPO-style action-space sampling); b3po =
     one posterior sample per version; m3po = M samples, each its own group; c3po = N samples sharing
     one group. The gradient is at a fresh posterior sample θ̂′ for every update (m3po: one per slot
-    group), also for grpo with optim.name=ivon (IVON's training rule: at the mean its Hessian
-    estimate is 0 and h only decays); grpo with AdamW takes it at the mean."""
+    group), also for none with optim.name=ivon (IVON's training rule: at the mean its Hessian
+    estimate is 0 and h only decays); none with AdamW takes it at the mean."""
     advantage: Literal["grpo", "dr_grpo", "lampo"] = "grpo"
     """Advantage estimator: std-normalised (grpo), mean-centred (dr_grpo), pairwise (lampo, §4.1)."""
     group_size: int = 16
     """Rollouts in one advantage group (G)."""
     n_slots: int = 4
-    """Perturbation slots per version: N of C3PO, M of M3PO (1 for grpo and b3po)."""
+    """Perturbation slots per version: N of C3PO, M of M3PO (1 for none and b3po)."""
     equal_compute: bool = True
     """M3PO only: G/M rollouts per slot (true) or G per slot (false, M× the rollouts)."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
@@ -83,7 +83,7 @@ class AlgoConfig:
     """Most re-admissions of one prompt."""
     dead_group_scale: float = 1.0
     """σ multiplier c of a re-admitted all-fail prompt's slots (θ̂ = m + c · σ ⊙ z; 1 = the same σ, a
-    plain retry — the only kind grpo, which serves the mean, has)."""
+    plain retry — the only kind exploration none, which serves the mean, has)."""
     solved_group_scale: float = 1.0
     """σ multiplier of a re-admitted all-pass prompt's slots; 1 = all-pass prompts are not re-admitted."""
     is_correction: Literal["none", "token_tis", "seq_tis", "seq_mis", "token_mis"] = "token_tis"
@@ -118,7 +118,7 @@ class AlgoConfig:
             raise ValueError(f"algo.group_size: expected >= 2 (a baseline needs two), got {self.group_size}")
         if self.n_slots < 1:
             raise ValueError(f"algo.n_slots: expected >= 1, got {self.n_slots}")
-        if self.exploration in ("grpo", "b3po") and self.n_slots != 1:
+        if self.exploration in ("none", "b3po") and self.n_slots != 1:
             raise ValueError(f"algo.n_slots={self.n_slots}: {self.exploration} uses one slot; set algo.n_slots=1")
         if not self.equal_compute and self.exploration != "m3po":
             raise ValueError(f"algo.equal_compute=false: M3PO's unconstrained mode (G rollouts per slot), not "
@@ -146,8 +146,8 @@ class AlgoConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"algo.{name}: expected > 0 (a σ multiplier), got {value}")
-            if value != 1.0 and self.exploration == "grpo":
-                raise ValueError(f"algo.{name}={value}: grpo serves the mean (σ = 0), there is no noise to scale")
+            if value != 1.0 and self.exploration == "none":
+                raise ValueError(f"algo.{name}={value}: exploration none serves the mean (σ = 0), there is no noise to scale")
         changed = [n for n in ("readmit_max", "dead_group_scale", "solved_group_scale")
                    if getattr(self, n) != 1]
         if changed and not self.readmit_fraction:
@@ -278,7 +278,7 @@ def check_learner(learner: LearnerConfig, algo: AlgoConfig, optim: OptimConfig) 
 
 def check_combination(algo: AlgoConfig, optim: OptimConfig, model_kind: str) -> None:
     """Reject combinations that cannot work, naming the keys to change."""
-    if algo.exploration != "grpo" and optim.name != "ivon":
+    if algo.exploration != "none" and optim.name != "ivon":
         raise ValueError(f"algo.exploration={algo.exploration} samples policies from the IVON posterior: "
                          f"set optim.name=ivon (got {optim.name})")
     if algo.vp2o and model_kind != "moe":

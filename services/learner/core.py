@@ -119,7 +119,7 @@ class Learner:
                        has_drift_process(optim.name, self.ranks.world, deepspeed_stage, self.device.type, self.lora.rank) else None)
         self.optimizer = make_optimizer(self.model, self.named, optim, self.ranks, deepspeed_stage, noise, self.lora,
                                         adapter_versions)
-        self.noise = make_noise_control(noise, serves_noise=self.optimizer.variational and algo.exploration != "grpo",
+        self.noise = make_noise_control(noise, serves_noise=self.optimizer.variational and algo.exploration != "none",
                                         n_slots=algo.n_slots, base_seed=algo.seed, temperature=temperature,
                                         prompts=noise_prompts, device=self.device,
                                         measured_by_samplers=samplers_measure_noise)

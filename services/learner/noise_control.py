@@ -237,7 +237,7 @@ def _prompt_probe(prompts: list[list[int]], device: torch.device):
 
 class FixedNoise:
     """No control: the posterior server draws the seeds of its plan and serves σ as IVON learned it
-    (noise.target_kl = "off"), or there is no noise to control (grpo, AdamW)."""
+    (noise.target_kl = "off"), or there is no noise to control (exploration none, AdamW)."""
 
     latest: dict = {}
 

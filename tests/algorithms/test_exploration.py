@@ -14,7 +14,7 @@ from threepo.algorithms.exploration import (ExplorationPlan, Slot, gradient_poin
 
 
 def test_grpo_one_clean_slot():
-    plan = make_plan("grpo", version=0, base_seed=1, group_size=8, n_slots=1)
+    plan = make_plan("none", version=0, base_seed=1, group_size=8, n_slots=1)
     assert plan.slots == (Slot(0, None),)
     assert (plan.rollouts_per_slot, plan.group_size, plan.groups_per_prompt) == (8, 8, 1)
     assert plan.group_of(0) == 0
@@ -106,7 +106,7 @@ def test_a_scaled_plan_keeps_seeds_and_grouping_and_scales_every_slot():
     assert [s.seed for s in hot.slots] == [s.seed for s in plan.slots] and {s.scale for s in hot.slots} == {2.0}
     assert (hot.group_size, hot.rollouts_per_slot) == (8, 2)
     assert plan.scaled(1.0) == plan and hot.scaled(0.5) == plan
-    grpo = make_plan("grpo", version=0, base_seed=1, group_size=8, n_slots=1)
+    grpo = make_plan("none", version=0, base_seed=1, group_size=8, n_slots=1)
     assert grpo.scaled(1.0) == grpo
     with pytest.raises(ValueError, match="no noise to scale"):
         grpo.scaled(2.0)
@@ -147,10 +147,10 @@ def test_update_seeds_are_fresh_per_step_update_and_sample_and_never_a_slot_seed
 def test_gradient_points_of_each_kind():
     slots = [0, 0, 1, 1, 0, 1]
     fresh = update_seed(5, 7, 2, 0)
-    for kind in ("b3po", "c3po", "grpo"):  # grpo with IVON: IVON's own training rule, rollouts at m
+    for kind in ("b3po", "c3po", "none"):  # none with IVON: IVON's own training rule, rollouts at m
         assert gradient_points(kind, variational=True, base_seed=5, step=7, update=2, slots=slots) == \
             [(fresh, [0, 1, 2, 3, 4, 5])]
-    assert gradient_points("grpo", variational=False, base_seed=5, step=7, update=2, slots=slots) == \
+    assert gradient_points("none", variational=False, base_seed=5, step=7, update=2, slots=slots) == \
         [(None, [0, 1, 2, 3, 4, 5])]
     # M3PO: one Monte-Carlo sample per slot group, each fresh (K = M samples in one IVON step)
     assert gradient_points("m3po", variational=True, base_seed=5, step=7, update=2, slots=slots) == \

@@ -32,7 +32,7 @@ def test_code_rl_on_a_humaneval_shaped_file(ray_session, tmp_path, tiny_dense_pa
     data.write_text("".join(json.dumps(_problem(i)) + "\n" for i in range(12)))
     cfg = load_config(None, [f"model.path={tiny_dense_path}", f"runs_dir={tmp_path}", f"data.path={data}",
                              "data.format=humaneval", "data.heldout_fraction=0", "runtime.steps=2",
-                             "runtime.prompts_per_step=2", "algo.group_size=4", "algo.exploration=grpo",
+                             "runtime.prompts_per_step=2", "algo.group_size=4", "algo.exploration=none",
                              "algo.n_slots=1", "sampler.max_new_tokens=12", "runtime.checkpoint_every=end",
                              "runtime.eval_every=off", "runtime.sampler_cpus=0.5", "runtime.learner_cpus=0.5",
                              "runtime.verifier_cpus=0.25"])

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.ray
 KINDS = {  # exploration, n_slots, optimizer
     "c3po": ("c3po", 4, OptimConfig()),
     "b3po": ("b3po", 1, OptimConfig()),
-    "grpo_adamw": ("grpo", 1, OptimConfig(name="adamw", lr=3e-3)),
+    "grpo_adamw": ("none", 1, OptimConfig(name="adamw", lr=3e-3)),
 }
 
 
@@ -168,7 +168,7 @@ def _state_is_sharded_and_loads_into_one_learner(group, one, cfg, path, tmp_path
 def test_deepspeed_zero_steps_like_one_adamw_and_resumes_its_shards(ray_session, tmp_path, tiny_dense_path, stage):
     cfg = _configs(tiny_dense_path, tmp_path, "grpo_adamw", ranks=2)
     one = _one_learner(tiny_dense_path, cfg)
-    arrays = batches_from_groups(_sampled_groups(tiny_dense_path, one.published(), "grpo", 1))
+    arrays = batches_from_groups(_sampled_groups(tiny_dense_path, one.published(), "none", 1))
     group = _group(cfg, tiny_dense_path, deepspeed_stage=stage)
     try:
         ray.get(group.step.remote(arrays[0], len(arrays[1]), *arrays[1], *arrays[2]))

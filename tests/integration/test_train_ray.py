@@ -55,15 +55,15 @@ def _exact(run_dir, summary, steps, rollouts_per_step):
 
 
 ALGORITHMS = {
-    "grpo_adamw": ["algo.exploration=grpo", "algo.n_slots=1", "optim.name=adamw", "optim.lr=1e-4"],
-    "dr_grpo": ["algo.exploration=grpo", "algo.n_slots=1", "algo.advantage=dr_grpo",
+    "grpo_adamw": ["algo.exploration=none", "algo.n_slots=1", "optim.name=adamw", "optim.lr=1e-4"],
+    "dr_grpo": ["algo.exploration=none", "algo.n_slots=1", "algo.advantage=dr_grpo",
                 "algo.loss_agg=seq-mean-token-sum-norm"],
-    "grpo_lora": ["algo.exploration=grpo", "algo.n_slots=1", "optim.name=adamw", "optim.lr=1e-3", "lora.rank=4"],
+    "grpo_lora": ["algo.exploration=none", "algo.n_slots=1", "optim.name=adamw", "optim.lr=1e-3", "lora.rank=4"],
     "c3po_lora": ["algo.exploration=c3po", "algo.n_slots=4", "lora.rank=4"],
     "b3po": ["algo.exploration=b3po", "algo.n_slots=1"],
     "m3po": ["algo.exploration=m3po", "algo.n_slots=2"],
     "c3po_lampo": ["algo.exploration=c3po", "algo.n_slots=4", "algo.advantage=lampo", "algo.kl_coef=1e-3"],
-    "entropy_bonus_temperature": ["algo.exploration=grpo", "algo.n_slots=1", "optim.name=adamw",
+    "entropy_bonus_temperature": ["algo.exploration=none", "algo.n_slots=1", "optim.name=adamw",
                                   "algo.entropy_coef=5e-3", "sampler.temperature=1.3", "algo.eps_high=0.28",
                                   "algo.mini_batches=2"],
 }

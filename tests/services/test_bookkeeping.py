@@ -98,7 +98,7 @@ def test_a_step_queued_behind_the_running_one_does_not_widen_the_staleness_bound
 
 
 def test_duplicates_refusals_and_infra_errors():
-    ledger = _ledger(kind="grpo", slots=1, group=4)
+    ledger = _ledger(kind="none", slots=1, group=4)
     requests = ledger.admit(learner_busy=False)[:2]
     assert ledger.arrived("x", _report(requests), _scores(requests)) == []
     assert ledger.arrived("y", _report(requests), _scores(requests)) == []  # a re-issued copy arrives too
@@ -114,7 +114,7 @@ def test_duplicates_refusals_and_infra_errors():
 
 
 def test_a_failure_is_forgotten_once_the_request_arrives():
-    ledger = _ledger(kind="grpo", slots=1, group=4, max_reissues=1)
+    ledger = _ledger(kind="none", slots=1, group=4, max_reissues=1)
     r = ledger.admit(learner_busy=False)[0]
     assert ledger.lost([r], sampler=True) == [r] and ledger.counts.sampler_failures == 1
     assert ledger.arrived(0, _report([r]), _scores([r])) == []
@@ -131,7 +131,7 @@ def test_consumed_prompts_are_ranges_and_consuming_twice_is_refused():
 
 
 def test_sequence_gaps_are_counted_per_engine_incarnation():
-    ledger = _ledger(kind="grpo", slots=1, group=4)
+    ledger = _ledger(kind="none", slots=1, group=4)
     requests = ledger.admit(learner_busy=False)
     ledger.arrived(0, _report(requests[:1], first=0), _scores(requests[:1]))
     ledger.arrived(1, _report(requests[1:2], first=10), _scores(requests[1:2]))  # rows 4..9 never arrived
@@ -234,7 +234,7 @@ def test_the_readmission_budget_and_solved_prompts():
 
 
 def test_grpo_retries_a_dead_prompt_at_the_mean():
-    ledger = _rule_ledger(Readmission(readmit_fraction=1.0), kind="grpo", slots=1)
+    ledger = _rule_ledger(Readmission(readmit_fraction=1.0), kind="none", slots=1)
     requests = ledger.admit(learner_busy=False)
     _arrive(ledger, requests, {})
     ledger.take()

@@ -47,8 +47,8 @@ def test_bad_values_name_the_key(override, message):
     (["algo.exploration=b3po"], "b3po uses one slot; set algo.n_slots=1"),
     (["algo.equal_compute=false"], "algo.equal_compute=false: M3PO's unconstrained mode"),
     (["algo.dead_group_scale=2"], "re-admitted only with algo.readmit_fraction > 0"),
-    (["algo.exploration=grpo", "algo.n_slots=1", "optim.name=adamw", "algo.readmit_fraction=0.25",
-      "algo.dead_group_scale=2"], "grpo serves the mean"),
+    (["algo.exploration=none", "algo.n_slots=1", "optim.name=adamw", "algo.readmit_fraction=0.25",
+      "algo.dead_group_scale=2"], "exploration none serves the mean"),
     (["algo.filter_replacements=0.5"], "only used with algo.dynamic_filter=true"),
     (["algo.readmit_fraction=0.25", "algo.solved_group_scale=0"], "solved_group_scale: expected > 0"),
     (["sampler.device=cuda"], "sampler.device=cuda needs runtime.sampler_gpus >= 1"),
@@ -89,7 +89,7 @@ def test_optimizer_settings_default_to_the_chosen_optimizers_own():
     ivon, adamw = load_config(None, []).optim, load_config("grpo_baseline", ["optim.lr=auto"]).optim
     assert (ivon.lr, ivon.beta2, ivon.weight_decay) == (10.0, 0.9999, 1e-6)
     assert (adamw.lr, adamw.beta2, adamw.weight_decay) == (1e-4, 0.999, 0.0)
-    mine = load_config(None, ["algo.exploration=grpo", "algo.n_slots=1", "optim.name=adamw", "optim.lr=3e-5"]).optim
+    mine = load_config(None, ["algo.exploration=none", "algo.n_slots=1", "optim.name=adamw", "optim.lr=3e-5"]).optim
     assert (mine.lr, mine.beta2) == (3e-5, 0.999)  # an explicit value wins, the rest stay AdamW's
     with pytest.raises(ConfigError, match="optim.lr: expected float or 'auto', got 'fast'"):
         load_config(None, ["optim.lr=fast"])
@@ -147,3 +147,9 @@ def test_the_words_resolve_to_what_they_say():
     assert cfg.runtime.elastic and cfg.runtime.fixed_samplers == 0 and not load_config(None, []).runtime.elastic
     assert cfg.sampler.max_new_tokens == 16  # auto: the embedded task tier's limit
     assert cfg.runtime.eval_gpus == 0.0 and load_config(None, ["eval.device=cuda"]).runtime.eval_gpus == 1.0
+
+
+def test_the_renamed_exploration_names_its_new_value():
+    with pytest.raises(ConfigError, match=re.escape('algo.exploration=grpo: renamed "none"')):
+        load_config(None, ["algo.exploration=grpo"])
+    assert load_config(None, ["algo.exploration=none", "algo.n_slots=1"]).algo.exploration == "none"

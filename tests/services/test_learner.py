@@ -119,7 +119,7 @@ def _means(learner):
 
 
 @pytest.mark.parametrize("exploration,n_slots,points", [("c3po", 4, 1), ("m3po", 2, 2), ("b3po", 1, 1),
-                                                        ("grpo", 1, 1)])
+                                                        ("none", 1, 1)])
 def test_one_step_takes_the_gradient_where_the_plan_says(sampler, tiny_dense_path, exploration, n_slots, points):
     learner = _learner(tiny_dense_path, exploration, n_slots)
     groups = _groups(sampler, learner, exploration, n_slots, 8)
@@ -191,8 +191,8 @@ def test_b3po_and_m3po_take_every_step_at_fresh_samples(sampler, tiny_dense_path
 
 def test_grpo_with_ivon_takes_its_gradient_at_a_sample_so_h_keeps_an_estimate(sampler, tiny_dense_path):
     # at the mean the Price estimate is 0 and h can only decay: h_new = β2 h + ½(1−β2)² h²/(h+δ) < h
-    learner = _learner(tiny_dense_path, "grpo", 1)
-    groups = _groups(sampler, learner, "grpo", 1, 8)
+    learner = _learner(tiny_dense_path, "none", 1)
+    groups = _groups(sampler, learner, "none", 1, 8)
     seen = _train_seeds(learner)
     before = {n: t.clone() for n, t in learner.optimizer.ivon.hess_by_name().items()}
     _step(learner, groups)
@@ -201,16 +201,16 @@ def test_grpo_with_ivon_takes_its_gradient_at_a_sample_so_h_keeps_an_estimate(sa
 
 
 def test_one_update_per_batch_leaves_the_clip_inert(sampler, tiny_dense_path):
-    learner = _learner(tiny_dense_path, "grpo", 1, optim=OptimConfig(name="adamw", lr=3e-3))
-    result = _step(learner, _groups(sampler, learner, "grpo", 1, 8))
+    learner = _learner(tiny_dense_path, "none", 1, optim=OptimConfig(name="adamw", lr=3e-3))
+    result = _step(learner, _groups(sampler, learner, "none", 1, 8))
     assert result.metrics["updates"] == 1 and result.metrics["clip_frac"] == 0.0
 
 
 def test_mini_batches_update_against_the_start_of_step_policy_so_the_clips_act(sampler, tiny_dense_path):
     # 3 mini-batches × 2 epochs = 6 AdamW steps; every ratio is against the policy before the first
-    learner = _learner(tiny_dense_path, "grpo", 1, optim=OptimConfig(name="adamw", lr=3e-3), mini_batches=3,
+    learner = _learner(tiny_dense_path, "none", 1, optim=OptimConfig(name="adamw", lr=3e-3), mini_batches=3,
                        ppo_epochs=2, eps_low=1e-3, eps_high=1e-3, is_correction="none")
-    groups = _groups(sampler, learner, "grpo", 1, 8)
+    groups = _groups(sampler, learner, "none", 1, 8)
     result = _step(learner, groups)
     assert result.metrics["updates"] == 6 and learner.optimizer.torch.state_dict()["state"][0]["step"] == 6
     assert result.metrics["clip_frac"] > 0.1 and result.metrics["ppo_kl"] != 0.0
@@ -330,8 +330,8 @@ def test_the_correction_reports_the_share_it_caps(sampler, tiny_dense_path):
     learner = _learner(tiny_dense_path, optim=OptimConfig(ess=1e3), is_correction="token_tis")
     noisy = _step(learner, _groups(sampler, learner, "c3po", 4, 8)).metrics
     assert 0.0 < noisy["is_clip_frac"] < 1.0
-    grpo = _learner(tiny_dense_path, "grpo", 1, optim=OptimConfig(name="adamw"), is_correction="token_tis")
-    assert _step(grpo, _groups(sampler, grpo, "grpo", 1, 8)).metrics["is_clip_frac"] == 0.0  # on-policy
+    grpo = _learner(tiny_dense_path, "none", 1, optim=OptimConfig(name="adamw"), is_correction="token_tis")
+    assert _step(grpo, _groups(sampler, grpo, "none", 1, 8)).metrics["is_clip_frac"] == 0.0  # on-policy
 
 
 def test_a_noise_mask_that_matches_no_parameter_is_refused(tiny_dense_path):
@@ -444,7 +444,7 @@ def test_a_step_in_micro_batches_equals_the_whole_update(sampler, tiny_dense_pat
     # activation_mb=1 holds one group of 8 rows of the tiny model: every update runs in micro-batches of
     # whole prompt runs (with `budget` bytes, of sub-runs of a group), with the whole update's
     # denominators (seq_mis: its mask from π_prox, computed first)
-    exploration = "c3po" if optim == "ivon" else "grpo"
+    exploration = "c3po" if optim == "ivon" else "none"
     algo = AlgoConfig(exploration=exploration, n_slots=4 if optim == "ivon" else 1, group_size=8,
                       is_correction=is_correction, entropy_coef=entropy)
     whole, split = (Learner(tiny_dense_path, algo, OptimConfig(name=optim, lr=1e-3 if optim == "adamw" else 10.0),
@@ -569,8 +569,8 @@ def test_low_rank_slot_noise_is_published_and_rebuilt_at_its_rank_while_training
 
 
 def test_a_diverged_policy_stops_the_learner_with_one_line_naming_the_learning_rate(sampler, tiny_dense_path):
-    learner = _learner(tiny_dense_path, "grpo", 1, optim=OptimConfig(name="adamw", lr=10.0))
-    groups = _groups(sampler, learner, "grpo", 1, 8)
+    learner = _learner(tiny_dense_path, "none", 1, optim=OptimConfig(name="adamw", lr=10.0))
+    groups = _groups(sampler, learner, "none", 1, 8)
     with torch.no_grad():
         learner.named[0][1].fill_(float("nan"))  # what a step at a learning rate far too large leaves
     with pytest.raises(FloatingPointError, match=r"diverged .* optim.name=adamw, optim.lr=10: lower optim.lr"):
@@ -631,9 +631,9 @@ def test_the_drift_sample_takes_one_slots_rollouts_in_pairs_that_share_a_prompt(
 
 
 def test_adamw_measures_the_drift_on_every_rollout_from_its_update_forward(sampler, tiny_dense_path):
-    learner = _learner(tiny_dense_path, exploration="grpo", n_slots=1, optim=OptimConfig(name="adamw", lr=1e-4),
+    learner = _learner(tiny_dense_path, exploration="none", n_slots=1, optim=OptimConfig(name="adamw", lr=1e-4),
                        sync=SyncConfig(max_staleness=4, drift_rows=2))
-    groups = _groups(sampler, learner, "grpo", 1, 8)
+    groups = _groups(sampler, learner, "none", 1, 8)
     forwards, original = [], learner._logprobs
     learner._logprobs = lambda batch, rows: forwards.append(len(rows)) or original(batch, rows)
     m = _step(learner, groups).metrics
@@ -642,7 +642,7 @@ def test_adamw_measures_the_drift_on_every_rollout_from_its_update_forward(sampl
 
 @pytest.mark.parametrize("optim", ["ivon", "adamw"])
 def test_a_step_reports_the_norm_of_the_gradient_it_stepped_with(sampler, tiny_dense_path, optim):
-    exploration, n_slots = ("c3po", 4) if optim == "ivon" else ("grpo", 1)
+    exploration, n_slots = ("c3po", 4) if optim == "ivon" else ("none", 1)
     config = OptimConfig(name=optim)
     raw = _groups(sampler, _learner(tiny_dense_path, exploration, n_slots, optim=config), exploration, n_slots, 8)
     live = _step(_learner(tiny_dense_path, exploration, n_slots, optim=config), [_rescored(raw[0], [1, 0] * 4)])

@@ -47,7 +47,7 @@ def test_learner_config_refuses_what_the_ranks_cannot_do(overrides, key):
 
 
 def test_learner_config_resolves_the_backend_from_the_device():
-    cfg = load_config(None, ["learner.ranks=2", "optim.name=adamw", "algo.exploration=grpo", "algo.n_slots=1",
+    cfg = load_config(None, ["learner.ranks=2", "optim.name=adamw", "algo.exploration=none", "algo.n_slots=1",
                              "learner.deepspeed_stage=3"])
     assert cfg.learner.resolved_backend == "gloo" and cfg.learner.grouped
     gpu = load_config(None, ["learner.device=cuda"]).learner

@@ -25,7 +25,7 @@ LORA = LoRAConfig(rank=4, alpha=8.0)
 
 
 def _lora_learner(path, lora=LORA):
-    return Learner(path, AlgoConfig(exploration="grpo", n_slots=1, group_size=8),
+    return Learner(path, AlgoConfig(exploration="none", n_slots=1, group_size=8),
                    OptimConfig(name="adamw", lr=1e-2, weight_decay=0.0), SyncConfig(max_staleness=1),
                    temperature=1.0, max_new_tokens=10, lora=lora)
 
@@ -69,7 +69,7 @@ def test_a_step_moves_the_adapters_alone_and_a_version_publishes_the_merged_mode
     assert first.sigma is None
     start = {n: p.detach().numpy() for n, p in load_model(tiny_dense_path).named_parameters()}
     assert list(first.mean) == list(start) and all((first.mean[n] == start[n]).all() for n in start)
-    _step(learner, _groups(sampler, learner, "grpo", 1, 8))
+    _step(learner, _groups(sampler, learner, "none", 1, 8))
     assert all(torch.equal(p, base[n]) for n, p in learner.model.named_parameters() if ".lora_" not in n)
     pv = learner.published()
     moved = {n for n in start if not (pv.mean[n] == start[n]).all()}
@@ -115,7 +115,7 @@ def test_model_path_takes_an_adapter_directory_as_its_base_with_the_adapter_merg
 
 def test_a_checkpoint_resumes_the_adapters_and_refuses_other_lora_settings(sampler, tiny_dense_path):
     a = _lora_learner(tiny_dense_path)
-    groups = _groups(sampler, a, "grpo", 1, 8)
+    groups = _groups(sampler, a, "none", 1, 8)
     _step(a, groups)
     tensors, meta = a.state()
     assert all(".lora_" in k for k in tensors if k.startswith("param/"))  # the adapters, not the base
@@ -145,7 +145,7 @@ def test_an_adapter_directory_without_a_usable_base_is_one_clear_error(tmp_path)
 def test_the_kl_reference_under_lora_is_the_base_model_without_a_second_copy(sampler, tiny_dense_path):
     from threepo.services.model.lora import adapters_off
 
-    learner = Learner(tiny_dense_path, AlgoConfig(exploration="grpo", n_slots=1, group_size=8, kl_coef=0.1),
+    learner = Learner(tiny_dense_path, AlgoConfig(exploration="none", n_slots=1, group_size=8, kl_coef=0.1),
                       OptimConfig(name="adamw", lr=1e-2, weight_decay=0.0), SyncConfig(max_staleness=1),
                       temperature=1.0, max_new_tokens=10, lora=LORA)
     assert learner.ref_model is None
@@ -161,7 +161,7 @@ def test_the_kl_reference_under_lora_is_the_base_model_without_a_second_copy(sam
     assert all(p.requires_grad for n, p in model.named_parameters() if ".lora_" in n)
     learner.model.train()
     before = {n: p.detach().clone() for n, p in learner.named}
-    result = _step(learner, _groups(sampler, learner, "grpo", 1, 8))  # the penalty's forward runs adapters-off
+    result = _step(learner, _groups(sampler, learner, "none", 1, 8))  # the penalty's forward runs adapters-off
     assert result.metrics["loss"] == result.metrics["loss"]
     assert any(not torch.equal(p, before[n]) for n, p in learner.named)  # and the adapters still train
 
@@ -356,10 +356,10 @@ def test_adamw_adapter_versions_ship_the_adapters_alone_and_the_hf_engine_serves
     from threepo.services.sampling.engines.hf import HFEngine
     from threepo.services.wire.messages import SamplingParams
 
-    learner = Learner(tiny_dense_path, AlgoConfig(exploration="grpo", n_slots=1, group_size=8),
+    learner = Learner(tiny_dense_path, AlgoConfig(exploration="none", n_slots=1, group_size=8),
                       OptimConfig(name="adamw", lr=1e-2, weight_decay=0.0), SyncConfig(max_staleness=1),
                       temperature=1.0, max_new_tokens=10, lora=LORA, adapter_versions=True)
-    _step(learner, _groups(sampler, _lora_learner(tiny_dense_path), "grpo", 1, 8))
+    _step(learner, _groups(sampler, _lora_learner(tiny_dense_path), "none", 1, 8))
     pv = learner.published()
     assert pv.lora == (LORA.rank, LORA.alpha) and pv.sigma is None
     assert list(pv.mean) == [n for n, _ in learner.named]  # the adapters alone

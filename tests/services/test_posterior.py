@@ -38,7 +38,7 @@ def _server(cfg, upto, **pv):
 
 
 @pytest.mark.parametrize("kind,n_slots,expect_slots,expect_groups", [
-    ("grpo", 1, 1, 1), ("b3po", 1, 1, 1), ("m3po", 2, 2, 2), ("c3po", 4, 4, 1)])
+    ("none", 1, 1, 1), ("b3po", 1, 1, 1), ("m3po", 2, 2, 2), ("c3po", 4, 4, 1)])
 def test_publish_makes_the_plan_of_each_kind(kind, n_slots, expect_slots, expect_groups):
     server = _server(_plan(kind, n_slots, group_size=8, base_seed=5), upto=0)
     published = server.publish(_pv(1))
@@ -49,11 +49,11 @@ def test_publish_makes_the_plan_of_each_kind(kind, n_slots, expect_slots, expect
     assert plan.kind == kind and plan.version == 1
     assert len(plan.slots) == expect_slots and plan.groups_per_prompt == expect_groups
     seeds = [s.seed for s in plan.slots]
-    assert (seeds == [None]) if kind == "grpo" else (len(set(seeds)) == n_slots and None not in seeds)
+    assert (seeds == [None]) if kind == "none" else (len(set(seeds)) == n_slots and None not in seeds)
     # a new version draws new seeds; the same config in a fresh server draws the same ones
     other = _server(_plan(kind, n_slots, group_size=8, base_seed=5), upto=0)
     assert other.publish(_pv(1)).plan == plan
-    if kind != "grpo":
+    if kind != "none":
         assert server.publish(_pv(2)).plan.slots[0].seed != plan.slots[0].seed
 
 
