@@ -74,7 +74,8 @@ class RunLog:
         rt = cfg.runtime
         self.trackers = make_trackers(rt.trackers, run_dir, project=rt.wandb_project, mode=rt.wandb_mode,
                                       config=dataclasses.asdict(cfg))
-        self.bar = tqdm(total=rt.steps, initial=initial, desc=f"train {cfg.algo.exploration}", unit="step")
+        method = cfg.algo.exploration if cfg.algo.exploration != "none" else cfg.algo.advantage  # c3po; grpo
+        self.bar = tqdm(total=rt.steps, initial=initial, desc=f"train {method}", unit="step")
         self.metrics = register_catalogue(RayMetrics())
         self.started = time.monotonic()
         self._truncated, self._rollouts, self._warned = 0.0, 0, False
